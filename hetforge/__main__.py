@@ -1,0 +1,3 @@
+from hetforge.cli import main
+
+raise SystemExit(main())

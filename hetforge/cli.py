@@ -1,0 +1,190 @@
+"""`hetforge` command line: prepare · train · eval · generate · demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="run config (YAML); see configs/")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.steps=50 (repeatable)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hetforge", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare", help="clean corpus, train tokenizer, write token shards")
+    _add_config(p)
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+
+    p = sub.add_parser("train", help="train (resumes from the newest valid checkpoint)")
+    _add_config(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
+    g.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="checkpoint and exit after N steps of this invocation (time-limited jobs)")
+
+    p = sub.add_parser("eval", help="perplexity and bits-per-byte of a checkpoint on a split")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid one)")
+    p.add_argument("--split", default="val", choices=["val", "train"])
+    p.add_argument("--max-batches", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--prompt", default=None, help="also sample a continuation of this prompt")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("checkpoint")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("demo", help="prepare + train + eval the tiny CPU demo on the embedded corpus")
+    p.add_argument("--config", default=str(DEMO_CONFIG))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return ap
+
+
+def cmd_prepare(args) -> int:
+    from hetforge.config import load_config
+    from hetforge.data.prepare import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    prepare(cfg.data, force=args.force)
+    return 0
+
+
+def _print_train_summary(result, eval_result=None) -> None:
+    from rich.table import Table
+
+    from hetforge.console import console
+
+    t = Table(title=f"run {result.run_dir}", show_header=False)
+    last = max(result.losses) if result.losses else None
+    t.add_row("steps", str(result.step))
+    if last is not None:
+        t.add_row("final train loss", f"{result.losses[last]:.4f}")
+    val = eval_result or result.val
+    if val is not None:
+        t.add_row("val loss / perplexity", f"{val.loss:.4f} / {val.perplexity:.2f}")
+        if val.bits_per_byte is not None:
+            t.add_row("val bits per byte", f"{val.bits_per_byte:.4f}")
+    t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s, {result.tflops:.3f} TFLOP/s")
+    t.add_row("MFU", f"{result.mfu:.1%} of a measured {result.peak_tflops:.2f} TFLOP/s matmul peak")
+    t.add_row("checkpoint", str(result.checkpoint))
+    t.add_row("metrics / TensorBoard", f"{result.extra['metrics']} / {result.run_dir / 'tensorboard'}")
+    t.add_row("loss curve", result.extra["plot"])
+    console.print(t)
+
+
+def cmd_train(args) -> int:
+    from hetforge.config import load_config
+    from hetforge.train.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    mode = "always" if args.resume else "never" if args.no_resume else "auto"
+    result = train(cfg, resume=mode, stop_after=args.stop_after)
+    _print_train_summary(result)
+    if result.interrupted and result.extra.get("signal"):
+        return 128 + int(result.extra["signal"])
+    return 0
+
+
+def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
+    from hetforge.data.shards import PackedSamples, TokenShard
+    from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
+    from hetforge.evaluate.perplexity import evaluate
+    from hetforge.train.checkpoint import load_for_inference
+
+    model, state = load_for_inference(checkpoint)
+    samples = PackedSamples(TokenShard(state["data_dir"], split), state["seq_len"], split)
+    tok = load_tokenizer(state["tokenizer"])
+    res = evaluate(model, samples, batch_size, __import__("torch").device("cpu"), max_batches,
+                   token_byte_lengths(tok))
+    return model, state, tok, res
+
+
+def cmd_eval(args) -> int:
+    from hetforge.console import console
+
+    model, state, tok, res = _eval(args.checkpoint, args.split, args.max_batches, args.batch_size)
+    out = {"checkpoint": state["path"], "split": args.split, **res.to_dict()}
+    if args.prompt:
+        out["prompt"], out["sample"] = args.prompt, _sample(model, state, tok, args.prompt, 48, 0.0, None, 0)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        console.print(f"checkpoint {out['checkpoint']} on {args.split}: {res.tokens:,} tokens")
+        bpb = f"{res.bits_per_byte:.4f}" if res.bits_per_byte is not None else "n/a"
+        console.print(f"  loss {res.loss:.4f} nats/token | perplexity {res.perplexity:.2f} | bits/byte {bpb}")
+        if args.prompt:
+            console.print(f"  sample: {args.prompt}[bold]{out['sample']}[/bold]")
+    return 0
+
+
+def _sample(model, state, tok, prompt, max_new, temperature, top_k, seed) -> str:
+    from hetforge.data.tokenizer import EOT
+    from hetforge.evaluate.generate import generate
+
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    new = generate(model, ids, max_new, state["seq_len"], temperature, top_k, tok.token_to_id(EOT), seed)
+    return tok.decode(new)
+
+
+def cmd_generate(args) -> int:
+    from hetforge.data.tokenizer import load_tokenizer
+    from hetforge.train.checkpoint import load_for_inference
+
+    model, state = load_for_inference(args.checkpoint)
+    tok = load_tokenizer(state["tokenizer"])
+    text = _sample(model, state, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + text)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from hetforge.config import load_config
+    from hetforge.console import console
+    from hetforge.train.loop import train
+
+    t0 = time.perf_counter()
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg)
+    if result.interrupted:
+        _print_train_summary(result)
+        return 128 + int(result.extra.get("signal") or 0)
+    model, state, tok, res = _eval(str(result.checkpoint), "val", None, cfg.train.micro_batch_size)
+    _print_train_summary(result, res)
+    prompt = "In this paper, we propose"
+    console.print(f"sample: {prompt}[bold]{_sample(model, state, tok, prompt, 40, 0.0, None, 0)}[/bold]")
+    console.print(f"demo finished in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
+            "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from hetforge.errors import USER_ERRORS
+
+    try:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Validated run configuration.
+
+One YAML file describes a whole run (data -> model -> train -> eval). Pydantic does the checking so
+that every mistake is reported with the dotted name of the field and what is allowed, before any
+expensive work starts. Unknown keys are errors: a typo must never silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hetforge.model.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user (field name + allowed values)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SourceConfig(_Strict):
+    """One corpus source: the embedded aclsum papers, or a file / directory of files."""
+
+    type: Literal["aclsum", "path"] = "path"
+    path: str | None = None
+    format: Literal["auto", "jsonl", "txt", "parquet"] = "auto"
+    text_field: str = "text"
+    # aclsum only: splits of the aclsum summarisation benchmark whose papers are kept out of the
+    # pre-training corpus so that downstream evaluation is never on trained-on text.
+    exclude_splits: list[Literal["train", "val", "test"]] = Field(default_factory=lambda: ["test"])
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> "SourceConfig":
+        if self.type == "path" and not self.path:
+            raise ValueError("a source of type 'path' needs `path` (a file or directory)")
+        return self
+
+
+class TokenizerConfig(_Strict):
+    vocab_size: int = Field(8192, ge=259, le=1 << 20)
+    path: str | None = None  # an existing tokenizer.json; skips training
+    min_frequency: int = Field(2, ge=1)
+
+
+class DataConfig(_Strict):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(type="aclsum")])
+    out_dir: str = "data_cache/aclsum"
+    normalize: Literal["NFC", "NFKC", "none"] = "NFKC"
+    min_chars: int = Field(200, ge=0)
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    seed: int = 1234
+
+
+class ModelConfig(_Strict):
+    """GPT-NeoX hyper-parameters. `preset` fills every field not given explicitly."""
+
+    preset: str | None = "tiny"
+    n_layers: int | None = Field(None, ge=1)
+    d_model: int | None = Field(None, ge=8)
+    n_heads: int | None = Field(None, ge=1)
+    d_ff: int | None = Field(None, ge=1)
+    vocab_size: int | None = Field(None, ge=2)  # None: taken from the tokenizer
+    rotary_pct: float = Field(0.25, ge=0.0, le=1.0)
+    rotary_base: float = Field(10000.0, gt=0)
+    parallel_residual: bool = True
+    tie_embeddings: bool = False
+    norm_eps: float = Field(1e-5, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    init_std: float = Field(0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> "ModelConfig":
+        if self.preset is not None:
+            if self.preset not in PRESETS:
+                raise ValueError(
+                    f"unknown preset {self.preset!r}; allowed: {', '.join(sorted(PRESETS))}"
+                )
+            p = PRESETS[self.preset]
+            for key in ("n_layers", "d_model", "n_heads", "d_ff"):
+                if getattr(self, key) is None:
+                    object.__setattr__(self, key, p[key])
+        for key in ("n_layers", "d_model", "n_heads"):
+            if getattr(self, key) is None:
+                raise ValueError(f"`{key}` is required when no preset is given")
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"model.n_heads must divide model.d_model "
+                f"(got n_heads={self.n_heads} and d_model={self.d_model})"
+            )
+        head_dim = self.d_model // self.n_heads
+        if int(head_dim * self.rotary_pct) % 2 != 0:
+            raise ValueError(
+                f"model.rotary_pct * head_dim must be even (head_dim={head_dim}, "
+                f"rotary_pct={self.rotary_pct} gives {int(head_dim * self.rotary_pct)} dims)"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(300, ge=1)
+    seq_len: int = Field(128, ge=2)
+    micro_batch_size: int = Field(16, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    optimizer: Literal["adamw", "lamb"] = "adamw"
+    lr: float = Field(3e-3, gt=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = Field(None, ge=1)
+    seed: int = 1234
+    log_interval: int = Field(10, ge=1)
+    eval_interval: int = Field(100, ge=1)
+    eval_batches: int = Field(8, ge=1)
+    checkpoint_interval: int = Field(100, ge=1)
+    keep_checkpoints: int = Field(2, ge=2)
+    peak_tflops: float | None = Field(None, gt=0)  # None: measured with a matmul benchmark
+    tensorboard: bool = True
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.warmup_steps >= self.steps and self.steps > 1:
+            raise ValueError(
+                f"train.warmup_steps must be smaller than train.steps "
+                f"(got warmup_steps={self.warmup_steps}, steps={self.steps})"
+            )
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum
+
+
+class RunConfig(_Strict):
+    name: str = "run"
+    run_dir: str = "runs/run"
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see configs/ for the allowed keys)"
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    # YAML gives the same typing a user gets in the file: 50 -> int, 1e-3 -> float, true -> bool.
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value for c in ".eE") else value
+        except ValueError:
+            return value
+    return value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set a.b.c=value` overrides to a raw config mapping (before validation)."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE (got {item!r})")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {key}: {p!r} is not a section")
+            node = child
+        node[parts[-1]] = _parse_scalar(value)
+    return out
+
+
+def build_config(raw: dict[str, Any]) -> RunConfig:
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read, override and validate a YAML run config. Relative paths stay relative to the CWD."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return build_config(apply_overrides(raw, overrides or []))
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

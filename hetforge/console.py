@@ -1,0 +1,37 @@
+"""One shared rich console and progress-bar factory, so every command looks and logs alike."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+console = Console(stderr=False, highlight=False, soft_wrap=True)
+err_console = Console(stderr=True, highlight=False)
+
+
+def warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/yellow] {message}")
+
+
+def make_progress(*extra_columns, enabled: bool = True) -> Progress:
+    """A progress bar; hidden when disabled or when output is not a terminal (CI, logs)."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *extra_columns,
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled or not sys.stdout.isatty(),
+        transient=False,
+    )

@@ -1,0 +1,11 @@
+"""The errors that are the user's to fix (bad config, missing input...): the CLI prints them as one
+clear line and exits 2, instead of a traceback. Anything else is a bug and keeps its traceback."""
+
+from hetforge.config import ConfigError
+from hetforge.data.corpus import CorpusError
+from hetforge.data.prepare import PrepareError
+from hetforge.data.shards import ShardError
+from hetforge.data.tokenizer import TokenizerError
+from hetforge.train.checkpoint import CheckpointError
+
+USER_ERRORS = (ConfigError, CorpusError, PrepareError, ShardError, TokenizerError, CheckpointError)

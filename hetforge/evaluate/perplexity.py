@@ -1,0 +1,69 @@
+"""Held-out loss, perplexity and bits per byte.
+
+Bits per byte divides the summed negative log-likelihood by the UTF-8 bytes the predicted tokens
+stand for, so models with different tokenizers (or vocabularies) can be compared; perplexity cannot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetforge.data.shards import PackedSamples
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean nats per token
+    perplexity: float
+    bits_per_byte: float | None
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return {"loss": self.loss, "perplexity": self.perplexity, "bits_per_byte": self.bits_per_byte,
+                "tokens": self.tokens}
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    samples: PackedSamples,
+    batch_size: int,
+    device: torch.device,
+    max_batches: int | None = None,
+    byte_lengths: list[int] | None = None,
+    autocast=None,
+) -> EvalResult:
+    """Evaluate on the first samples of the split, in order: the same tokens every time it runs."""
+    was_training = model.training
+    model.eval()
+    n = len(samples) if max_batches is None else min(len(samples), max_batches * batch_size)
+    lengths = torch.tensor(byte_lengths, dtype=torch.float64) if byte_lengths else None
+    nll_sum, tokens, nbytes = 0.0, 0, 0.0
+    for start in range(0, n, batch_size):
+        x, y = batch_from_numpy(samples.batch(list(range(start, min(start + batch_size, n)))), device)
+        if autocast is not None:
+            with autocast():
+                logits = model(x)
+        else:
+            logits = model(x)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+        nll_sum += float(nll)
+        tokens += y.numel()
+        if lengths is not None:
+            nbytes += float(lengths[y.flatten().cpu().clamp_max(len(lengths) - 1)].sum())
+    model.train(was_training)
+    loss = nll_sum / max(tokens, 1)
+    bpb = nll_sum / math.log(2) / nbytes if nbytes > 0 else None
+    return EvalResult(loss, math.exp(min(loss, 700.0)), bpb, tokens)
+
+
+def batch_from_numpy(arr: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split packed windows into model inputs and next-token targets on the device."""
+    t = torch.from_numpy(arr)
+    return t[:, :-1].to(device, non_blocking=True), t[:, 1:].to(device, non_blocking=True)

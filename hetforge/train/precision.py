@@ -1,0 +1,48 @@
+"""Device and precision choice: bf16 where the hardware has it, fp16 with dynamic loss scaling on
+pre-Ampere GPUs (P100, V100, T4...), fp32 otherwise. One place decides, so the loop stays plain."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name  # fp16 on CPU is allowed (slow) so the loss-scaling path is testable anywhere
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "fp32"
+
+
+@dataclass
+class Precision:
+    name: str
+    device: torch.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+    def autocast(self):
+        """Weights stay fp32 (master copy); matmuls run in the low-precision dtype."""
+        if self.name == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Dynamic loss scaling for fp16 (skips a step and halves the scale on inf/NaN gradients);
+        a disabled pass-through for bf16 and fp32, whose exponent range needs none."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.name == "fp16")
