@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -79,8 +80,11 @@ def _print_train_summary(result, eval_result=None) -> None:
         t.add_row("val loss / perplexity", f"{val.loss:.4f} / {val.perplexity:.2f}")
         if val.bits_per_byte is not None:
             t.add_row("val bits per byte", f"{val.bits_per_byte:.4f}")
-    t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s, {result.tflops:.3f} TFLOP/s")
-    t.add_row("MFU", f"{result.mfu:.1%} of a measured {result.peak_tflops:.2f} TFLOP/s matmul peak")
+    if result.losses:
+        t.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s, {result.tflops:.3f} TFLOP/s")
+        t.add_row("MFU", f"{result.mfu:.1%} of a {result.extra['peak_source']} {result.peak_tflops:.2f} TFLOP/s matmul peak")
+    else:
+        t.add_row("throughput", "no steps run (the run was already complete)")
     t.add_row("checkpoint", str(result.checkpoint))
     t.add_row("metrics / TensorBoard", f"{result.extra['metrics']} / {result.run_dir / 'tensorboard'}")
     t.add_row("loss curve", result.extra["plot"])
@@ -159,7 +163,9 @@ def cmd_demo(args) -> int:
 
     t0 = time.perf_counter()
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg)
+    # The demo is a reproducible showcase: it always trains from scratch in its own run directory.
+    shutil.rmtree(cfg.run_dir, ignore_errors=True)
+    result = train(cfg, resume="never")
     if result.interrupted:
         _print_train_summary(result)
         return 128 + int(result.extra.get("signal") or 0)

@@ -97,12 +97,6 @@ class ModelConfig(_Strict):
                 f"model.n_heads must divide model.d_model "
                 f"(got n_heads={self.n_heads} and d_model={self.d_model})"
             )
-        head_dim = self.d_model // self.n_heads
-        if int(head_dim * self.rotary_pct) % 2 != 0:
-            raise ValueError(
-                f"model.rotary_pct * head_dim must be even (head_dim={head_dim}, "
-                f"rotary_pct={self.rotary_pct} gives {int(head_dim * self.rotary_pct)} dims)"
-            )
         return self
 
     @property

@@ -38,7 +38,8 @@ class GPTNeoXConfig:
 
     @property
     def rotary_dims(self) -> int:
-        return int(self.head_dim * self.rotary_pct)
+        # Rounded down to even: rotate-half pairs channels (FORGE-s has head_dim 86: 21 -> 20).
+        return int(self.head_dim * self.rotary_pct) // 2 * 2
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -265,6 +265,7 @@ def train(
         run_dir=run_dir, step=step, losses=losses, val=val, peak_tflops=peak / 1e12,
         checkpoint=last_ckpt, interrupted=interrupted, **rate,
         extra={"plot": str(plot), "metrics": str(logger.path), "params": n_params,
-               "flops_per_token": fpt, "signal": stop.signum},
+               "flops_per_token": fpt, "signal": stop.signum,
+               "peak_source": "configured" if tc.peak_tflops else "measured"},
     )
     return result
