@@ -124,6 +124,7 @@ class TrainConfig(_Strict):
     log_interval: int = Field(10, ge=1)
     eval_interval: int = Field(100, ge=1)
     eval_batches: int = Field(8, ge=1)
+    final_eval_batches: int = Field(64, ge=1)  # the end-of-run validation is larger
     checkpoint_interval: int = Field(100, ge=1)
     keep_checkpoints: int = Field(2, ge=2)
     peak_tflops: float | None = Field(None, gt=0)  # None: measured with a matmul benchmark

@@ -45,9 +45,6 @@ from hetforge.train.metrics import MetricsLogger, plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
 from hetforge.train.precision import Precision, resolve_device, resolve_precision
 
-FINAL_EVAL_BATCHES = 64
-
-
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -256,7 +253,7 @@ def train(
         losses[s] = float(lv)
     val = None
     if not interrupted:
-        val = validate(FINAL_EVAL_BATCHES)
+        val = validate(tc.final_eval_batches)
         logger.log("val", step, val.to_dict())
         last_ckpt = write_checkpoint(final=True)
     logger.close()
