@@ -187,15 +187,21 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             raise ConfigError(f"--set expects KEY=VALUE (got {item!r})")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
-        node = out
-        for p in parts[:-1]:
-            child = node.get(p)
-            if child is None:
-                child = node[p] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {key}: {p!r} is not a section")
-            node = child
-        node[parts[-1]] = _parse_scalar(value)
+        node: Any = out
+        for i, p in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):  # list items by index: data.sources.0.path=...
+                if not p.isdigit() or int(p) >= len(node):
+                    raise ConfigError(f"--set {key}: {p!r} is not an index of a list of {len(node)}")
+                p = int(p)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {parts[i - 1]!r} is not a section")
+            elif not last and node.get(p) is None:
+                node[p] = {}
+            if last:
+                node[p] = _parse_scalar(value)
+            else:
+                node = node[p]
     return out
 
 

@@ -58,3 +58,12 @@ def test_shipped_configs_validate():
     assert configs
     for path in configs:
         load_config(path)
+
+
+def test_override_list_item_and_bad_paths():
+    raw = {"data": {"sources": [{"type": "path", "path": "a"}]}}
+    assert apply_overrides(raw, ["data.sources.0.path=b"])["data"]["sources"][0]["path"] == "b"
+    with pytest.raises(ConfigError, match="not an index"):
+        apply_overrides(raw, ["data.sources.3.path=b"])
+    with pytest.raises(ConfigError, match="'steps' is not a section"):
+        apply_overrides({"train": {"steps": 1}}, ["train.steps.x=1"])
