@@ -109,12 +109,13 @@ def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
     from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
     from hetforge.evaluate.perplexity import evaluate
     from hetforge.train.checkpoint import load_for_inference
+    from hetforge.train.precision import resolve_device
 
-    model, state = load_for_inference(checkpoint)
+    device = resolve_device("auto")
+    model, state = load_for_inference(checkpoint, device)
     samples = PackedSamples(TokenShard(state["data_dir"], split), state["seq_len"], split)
     tok = load_tokenizer(state["tokenizer"])
-    res = evaluate(model, samples, batch_size, __import__("torch").device("cpu"), max_batches,
-                   token_byte_lengths(tok))
+    res = evaluate(model, samples, batch_size, device, max_batches, token_byte_lengths(tok))
     return model, state, tok, res
 
 
@@ -148,8 +149,9 @@ def _sample(model, state, tok, prompt, max_new, temperature, top_k, seed) -> str
 def cmd_generate(args) -> int:
     from hetforge.data.tokenizer import load_tokenizer
     from hetforge.train.checkpoint import load_for_inference
+    from hetforge.train.precision import resolve_device
 
-    model, state = load_for_inference(args.checkpoint)
+    model, state = load_for_inference(args.checkpoint, resolve_device("auto"))
     tok = load_tokenizer(state["tokenizer"])
     text = _sample(model, state, tok, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
     print(args.prompt + text)

@@ -124,7 +124,7 @@ def train(
     scaler = precision.grad_scaler()
 
     # ---- resume
-    step, consumed = 0, 0
+    step, consumed, last_ckpt = 0, 0, None
     ckpt_root = run_dir / "checkpoints"
     if resume != "never":
         found = latest_valid(ckpt_root)
@@ -134,7 +134,7 @@ def train(
             ck = load_checkpoint(found, model, optimizer, scaler)
             if ck.state["model_config"] != model_cfg.to_dict():
                 raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
-            step, consumed = ck.step, ck.state["consumed_samples"]
+            step, consumed, last_ckpt = ck.step, ck.state["consumed_samples"], found
             console.print(f"resumed from {found} (step {step}, {consumed} samples consumed)")
 
     # ---- accounting
@@ -176,7 +176,6 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     losses: dict[int, float] = {}
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad-norm) not yet synced
-    last_ckpt: Path | None = None
     rate = {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": 0.0}
     steps_this_call = 0
     model.train()
@@ -255,7 +254,8 @@ def train(
     if not interrupted:
         val = validate(tc.final_eval_batches)
         logger.log("val", step, val.to_dict())
-        last_ckpt = write_checkpoint(final=True)
+        if steps_this_call or last_ckpt is None:  # a finished run that was resumed needs no rewrite
+            last_ckpt = write_checkpoint(final=True)
     logger.close()
     plot = plot_loss_curve(logger.path, run_dir / "loss_curve.png", title=f"{cfg.name}: {n_params / 1e6:.1f}M params")
     result = TrainResult(
