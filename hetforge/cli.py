@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="checkpoint and exit after N steps of this invocation (time-limited jobs)")
 
+    p = sub.add_parser("balance", help="measure the ranks and split the global batch (run under torchrun)")
+    _add_config(p)
+
     p = sub.add_parser("eval", help="perplexity and bits-per-byte of a checkpoint on a split")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid one)")
     p.add_argument("--split", default="val", choices=["val", "train"])
@@ -98,9 +101,21 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     mode = "always" if args.resume else "never" if args.no_resume else "auto"
     result = train(cfg, resume=mode, stop_after=args.stop_after)
-    _print_train_summary(result)
+    if result.extra.get("rank", 0) == 0:
+        _print_train_summary(result)
     if result.interrupted and result.extra.get("signal"):
         return 128 + int(result.extra["signal"])
+    return 0
+
+
+def cmd_balance(args) -> int:
+    from hetforge.config import load_config
+    from hetforge.train.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, resume="never", plan_only=True)
+    if result.extra["world_size"] == 1 and result.extra["rank"] == 0:
+        print("one process: the whole global batch runs here; launch with torchrun to balance ranks")
     return 0
 
 
@@ -179,7 +194,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "eval": cmd_eval, "generate": cmd_generate,
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "eval": cmd_eval, "generate": cmd_generate,
             "demo": cmd_demo}
 
 

@@ -109,6 +109,9 @@ class TrainConfig(_Strict):
     seq_len: int = Field(128, ge=2)
     micro_batch_size: int = Field(16, ge=1)
     grad_accum: int = Field(1, ge=1)
+    # The global batch in tokens; default micro_batch_size * grad_accum * seq_len. On a cluster the
+    # balancer splits it over ranks, and micro_batch_size becomes the largest micro-batch it tries.
+    global_batch_tokens: int | None = Field(None, ge=1)
     optimizer: Literal["adamw", "lamb"] = "adamw"
     lr: float = Field(3e-3, gt=0)
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
@@ -133,6 +136,12 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_len != 0:
+            raise ValueError(
+                f"train.global_batch_tokens must be a multiple of train.seq_len, since a sample is "
+                f"seq_len tokens (got global_batch_tokens={self.global_batch_tokens}, "
+                f"seq_len={self.seq_len}; nearest: {self.global_batch_tokens // self.seq_len * self.seq_len or self.seq_len})"
+            )
         if self.warmup_steps >= self.steps and self.steps > 1:
             raise ValueError(
                 f"train.warmup_steps must be smaller than train.steps "
@@ -142,7 +151,57 @@ class TrainConfig(_Strict):
 
     @property
     def global_batch_size(self) -> int:
+        """Samples (sequences) per optimizer step, summed over all ranks."""
+        if self.global_batch_tokens is not None:
+            return self.global_batch_tokens // self.seq_len
         return self.micro_batch_size * self.grad_accum
+
+
+class DeviceSpec(_Strict):
+    """One kind of device on a node. `memory_gb` and `speed` are optional: what is not declared is
+    measured. `slowdown` / `slowdown_from_step` are a simulation knob for tests and benchmarks on
+    one machine: the rank sleeps (slowdown - 1) x its compute time after every micro-step, i.e. it
+    behaves like a device `slowdown` times slower (from that step on)."""
+
+    type: str = "cpu"
+    count: int = Field(1, ge=1)
+    memory_gb: float | None = Field(None, gt=0)
+    speed: float | None = Field(None, gt=0)  # relative samples/s; used instead of measuring
+    slowdown: float = Field(1.0, ge=1.0)
+    slowdown_from_step: int = Field(0, ge=0)
+
+
+class NodeSpec(_Strict):
+    host: str = "localhost"
+    devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec()])
+
+
+class AssignmentSpec(_Strict):
+    """A hand-set share of the global batch for one rank (cluster.balance = fixed)."""
+
+    samples: int = Field(ge=0)
+    micro_batch_size: int = Field(ge=1)
+
+
+class ClusterConfig(_Strict):
+    nodes: list[NodeSpec] = Field(default_factory=list)  # empty: one process, or measure all
+    file: str | None = None  # a YAML file holding `nodes:` (shared by several run configs)
+    balance: Literal["auto", "equal", "fixed"] = "auto"  # equal = HetSeq's manual default
+    assignments: list[AssignmentSpec] = Field(default_factory=list)
+    probe_steps: int = Field(2, ge=1)
+    rebalance: bool = True
+    rebalance_threshold: float = Field(0.25, gt=0)
+    rebalance_window: int = Field(5, ge=1)
+    rendezvous_timeout_s: float = Field(120.0, gt=0)
+    collective_timeout_s: float = Field(1800.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterConfig":
+        if self.balance == "fixed" and not self.assignments:
+            raise ValueError("cluster.balance=fixed needs cluster.assignments (one per rank)")
+        if self.file and self.nodes:
+            raise ValueError("give cluster.nodes or cluster.file, not both")
+        return self
 
 
 class RunConfig(_Strict):
@@ -151,6 +210,7 @@ class RunConfig(_Strict):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -86,14 +86,15 @@ def _split_documents(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
 
 
-def prepare(cfg: DataConfig, force: bool = False, progress: bool = True) -> PrepareResult:
+def prepare(cfg: DataConfig, force: bool = False, progress: bool = True, verbose: bool = True) -> PrepareResult:
     out_dir = Path(cfg.out_dir)
     t0 = time.perf_counter()
     digest = fingerprint(cfg)
     if not force:
         meta = _is_complete(out_dir, digest)
         if meta is not None:
-            console.print(f"prepare: {out_dir} is up to date (fingerprint {digest[:12]}), nothing to do")
+            if verbose:
+                console.print(f"prepare: {out_dir} is up to date (fingerprint {digest[:12]}), nothing to do")
             return PrepareResult(out_dir, meta, cached=True)
 
     docs, report = read_corpus(cfg)

@@ -38,14 +38,19 @@ def evaluate(
     max_batches: int | None = None,
     byte_lengths: list[int] | None = None,
     autocast=None,
+    rank: int = 0,
+    world_size: int = 1,
+    reduce=None,
 ) -> EvalResult:
-    """Evaluate on the first samples of the split, in order: the same tokens every time it runs."""
+    """Evaluate on the first samples of the split, in order: the same tokens every time it runs.
+    With several ranks, rank r takes batches r, r + world, ...; `reduce` sums the (nll, tokens,
+    bytes) totals over ranks, so every rank returns the same global result."""
     was_training = model.training
     model.eval()
     n = len(samples) if max_batches is None else min(len(samples), max_batches * batch_size)
     lengths = torch.tensor(byte_lengths, dtype=torch.float64) if byte_lengths else None
     nll_sum, tokens, nbytes = 0.0, 0, 0.0
-    for start in range(0, n, batch_size):
+    for start in range(rank * batch_size, n, world_size * batch_size):
         x, y = batch_from_numpy(samples.batch(list(range(start, min(start + batch_size, n)))), device)
         if autocast is not None:
             with autocast():
@@ -58,6 +63,9 @@ def evaluate(
         if lengths is not None:
             nbytes += float(lengths[y.flatten().cpu().clamp_max(len(lengths) - 1)].sum())
     model.train(was_training)
+    if reduce is not None:
+        nll_sum, tokens, nbytes = (float(v) for v in reduce(torch.tensor([nll_sum, tokens, nbytes], dtype=torch.float64)))
+        tokens = int(tokens)
     loss = nll_sum / max(tokens, 1)
     bpb = nll_sum / math.log(2) / nbytes if nbytes > 0 else None
     return EvalResult(loss, math.exp(min(loss, 700.0)), bpb, tokens)

@@ -1,20 +1,27 @@
 """The training loop: read this file top to bottom to know what one run does.
 
-    prepare data (cached) -> build model -> optimizer -> resume from the newest valid checkpoint
-    -> for each step: grad-accumulated forward/backward, clip, step -> log / validate / checkpoint
+    join the process group (torchrun / srun; nothing when run as one process)
+    -> prepare data (rank 0; cached) -> build model -> optimizer -> resume from the newest valid
+    checkpoint -> split the global batch over the ranks by measured speed and memory
+    -> for each step: each rank runs its micro-batches (gradient sync only on the last), clip, step
+    -> global metrics / validate / checkpoint (rank 0) / re-balance if step times drift
     -> final validation, loss-curve PNG, summary.
+
+Exact update on unequal ranks: every micro-batch's loss is its *sum* of token losses divided by the
+number of tokens in the whole global batch, so after the all-reduce the gradient is that of the mean
+loss over the global batch, whatever share and micro-batch split each rank has (DDP averages over
+ranks, so each rank multiplies by the world size). A rank with no samples in a step runs one dummy
+micro-batch with weight zero, so it still takes part in every collective (HetSeq's dummy batch).
 
 Exact resume: the sample order is a function of the global sample position, the learning rate a
 function of the step, and optimizer, loss-scaler and RNG state are checkpointed, so an interrupted
-and resumed run produces bitwise the same losses as an uninterrupted one (fp32, CPU).
-
-The loss of a step is the sum of token losses over the global batch divided by the number of tokens
-in it, computed per micro-batch: the gradient is that of the mean over the global batch whatever the
-micro-batch split, which is the property heterogeneous data parallelism builds on.
+and resumed run produces bitwise the same losses as an uninterrupted one (fp32, CPU). Checkpoints
+store the global position only, so a run can resume on a different number or mix of ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import signal
 import threading
@@ -26,7 +33,18 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from rich.progress import TextColumn
+from torch.nn.parallel import DistributedDataParallel
 
+from hetforge.cluster.assign import PLAN_FILE, DriftMonitor, plan_for_run
+from hetforge.cluster.dist import (
+    DistContext,
+    all_gather_rows,
+    barrier,
+    broadcast_object,
+    init_distributed,
+    shutdown,
+)
+from hetforge.cluster.spec import Slowdown, rank_device
 from hetforge.config import RunConfig, dump_config
 from hetforge.console import console, make_progress, warn
 from hetforge.data.prepare import prepare
@@ -45,11 +63,12 @@ from hetforge.train.metrics import MetricsLogger, plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
 from hetforge.train.precision import Precision, resolve_device, resolve_precision
 
+
 @dataclass
 class TrainResult:
     run_dir: Path
     step: int
-    losses: dict[int, float]  # step -> train loss, for the steps run by this call
+    losses: dict[int, float]  # step -> global train loss, for the steps run by this call
     val: EvalResult | None
     tokens_per_s: float
     tflops: float
@@ -64,15 +83,17 @@ class StopSignals:
     """SIGINT / SIGTERM ask the loop to stop after the current step and checkpoint; a second
     Ctrl-C aborts at once. Only the main thread may install handlers, so elsewhere this is inert."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.signum: int | None = None
+        self.announce = announce
         self._old: dict[int, object] = {}
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        console.print(f"\n[yellow]{signal.Signals(signum).name}: stopping after this step, writing a checkpoint[/yellow]")
+        if self.announce:
+            console.print(f"\n[yellow]{signal.Signals(signum).name}: stopping after this step, writing a checkpoint[/yellow]")
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
@@ -91,23 +112,84 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
 
 
+def backward_share(
+    net: torch.nn.Module,
+    samples: PackedSamples,
+    order: SampleOrder,
+    micro_batches: list[tuple[int, int]],
+    consumed: int,
+    tokens_per_step: int,
+    world_size: int,
+    precision: Precision,
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    after_micro=None,
+) -> tuple[torch.Tensor, float]:
+    """Forward/backward of this rank's micro-batches (given as (global position, count)) with the
+    gradient sync only on the last one. Returns this rank's part of the step loss and its compute
+    seconds. With no micro-batches it runs one dummy micro-batch of weight 0, so that the rank
+    still joins the step's all-reduce."""
+    distributed = isinstance(net, DistributedDataParallel)
+    work = micro_batches or [(consumed, 1)]
+    weight = world_size if micro_batches else 0.0  # DDP averages over ranks: undo it
+    step_loss = torch.zeros((), device=device)
+    compute_s = 0.0
+    for j, (start, count) in enumerate(work):
+        sync = contextlib.nullcontext() if j == len(work) - 1 or not distributed else net.no_sync()
+        with sync:
+            t0 = time.perf_counter()
+            x, y = batch_from_numpy(samples.batch(order.indices(start, count)), device)
+            with precision.autocast():
+                logits = net(x)
+            token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            scaler.scale(token_loss * weight / tokens_per_step).backward()
+            if distributed and device.type == "cuda":
+                torch.cuda.synchronize(device)  # honest per-rank timing for the balancer
+            if after_micro is not None:
+                after_micro(time.perf_counter() - t0)
+            compute_s += time.perf_counter() - t0
+        if micro_batches:
+            step_loss += token_loss.detach() / tokens_per_step
+    return step_loss, compute_s
+
+
 def train(
     cfg: RunConfig,
     resume: Literal["auto", "always", "never"] = "auto",
     stop_after: int | None = None,
+    plan_only: bool = False,
 ) -> TrainResult:
+    """Train (or, with plan_only, stop once the batch balance is made: `hetforge balance`)."""
+    device = resolve_device(cfg.train.device)
+    ctx = init_distributed(device.type, cfg.cluster.rendezvous_timeout_s, cfg.cluster.collective_timeout_s)
+    if ctx.distributed and device.type == "cuda":
+        device = torch.device("cuda", ctx.local_rank)
+    try:
+        return _train(cfg, ctx, device, resume, stop_after, plan_only)
+    finally:
+        if ctx.distributed:
+            shutdown()
+
+
+def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, stop_after: int | None,
+           plan_only: bool) -> TrainResult:
     tc = cfg.train
+    say = console.print if ctx.is_main else (lambda *a, **k: None)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    device = resolve_device(tc.device)
+    if ctx.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
     precision = Precision(resolve_precision(tc.precision, device), device)
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
     torch.manual_seed(tc.seed)
 
-    # ---- data: prepared shards (a no-op when already prepared), packed windows, global order
-    data = prepare(cfg.data, progress=tc.progress)
+    # ---- data: rank 0 prepares (a no-op when cached), the others then open the same shards
+    if ctx.is_main:
+        data = prepare(cfg.data, progress=tc.progress)
+    barrier(ctx)
+    if not ctx.is_main:
+        data = prepare(cfg.data, progress=False, verbose=False)
     train_samples = PackedSamples(TokenShard(data.out_dir, "train"), tc.seq_len, "train")
     val_samples = PackedSamples(TokenShard(data.out_dir, "val"), tc.seq_len, "val")
     order = SampleOrder(len(train_samples), tc.seed)
@@ -123,11 +205,12 @@ def train(
     optimizer = build_optimizer(model, tc, device)
     scaler = precision.grad_scaler()
 
-    # ---- resume
+    # ---- resume (every rank reads the same checkpoint; it holds the global sample position)
     step, consumed, last_ckpt = 0, 0, None
     ckpt_root = run_dir / "checkpoints"
     if resume != "never":
-        found = latest_valid(ckpt_root)
+        found = latest_valid(ckpt_root) if ctx.is_main else None
+        found = broadcast_object(ctx, found)
         if found is None and resume == "always":
             raise CheckpointError(f"--resume given but {ckpt_root} holds no valid checkpoint")
         if found is not None:
@@ -135,18 +218,30 @@ def train(
             if ck.state["model_config"] != model_cfg.to_dict():
                 raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
             step, consumed, last_ckpt = ck.step, ck.state["consumed_samples"], found
-            console.print(f"resumed from {found} (step {step}, {consumed} samples consumed)")
+            say(f"resumed from {found} (step {step}, {consumed} samples consumed)")
+
+    # ---- the share of the global batch each rank computes
+    plan = plan_for_run(cfg, ctx, model, device, precision.autocast, vocab, run_dir, console if ctx.is_main else None)
+    if plan_only:
+        return TrainResult(run_dir, step, {}, None, 0.0, 0.0, 0.0, 0.0, last_ckpt,
+                           extra={"plan": plan.to_dict(), "rank": ctx.rank, "world_size": ctx.world_size})
+    monitor = (DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window)
+               if ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto" else None)
+    slowdown = Slowdown(rank_device(cfg.cluster, ctx) if cfg.cluster.nodes or cfg.cluster.file else None)
+    net = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+           if ctx.distributed else model)
 
     # ---- accounting
     n_params = model.num_parameters()
     fpt = flops_per_token(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size, tc.seq_len)
     peak = tc.peak_tflops * 1e12 if tc.peak_tflops else measure_matmul_peak(device, precision.dtype)
-    global_batch = tc.global_batch_size
+    peak *= ctx.world_size  # MFU of the whole job against the sum of the ranks' peaks (rank 0's, x world)
+    global_batch = plan.global_batch
     tokens_per_step = global_batch * tc.seq_len
-    console.print(
+    say(
         f"model: {n_params / 1e6:.2f}M parameters, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
         f"vocab {vocab} | batch {global_batch}x{tc.seq_len} = {tokens_per_step:,} tokens/step | "
-        f"{device.type} {precision.name} | matmul peak {peak / 1e12:.2f} TFLOP/s"
+        f"{ctx.world_size} rank(s), {device.type} {precision.name} | matmul peak {peak / 1e12:.2f} TFLOP/s"
     )
 
     def checkpoint_state() -> dict:
@@ -157,48 +252,56 @@ def train(
             "tokenizer": str(tokenizer_path),
             "seq_len": tc.seq_len,
             "precision": precision.name,
+            "world_size": ctx.world_size,
             "schedule": {"lr": lr_at(max(step - 1, 0), tc), "warmup_steps": tc.warmup_steps, "steps": tc.steps},
         }
 
     def write_checkpoint(final: bool) -> Path | None:
-        try:
-            return save_checkpoint(ckpt_root, step, model, optimizer, scaler, checkpoint_state(), tc.keep_checkpoints)
-        except CheckpointError as err:
+        """Rank 0 writes; all ranks learn whether it worked, so none waits on a failed one."""
+        path, error = None, None
+        if ctx.is_main:
+            try:
+                path = save_checkpoint(ckpt_root, step, model, optimizer, scaler, checkpoint_state(), tc.keep_checkpoints)
+            except CheckpointError as err:
+                error = str(err)
+        path, error = broadcast_object(ctx, (path, error))
+        if error is not None:
             if final:
-                raise
-            warn(f"{err}; the previous checkpoint is intact, training continues")
-            return None
+                raise CheckpointError(error)
+            if ctx.is_main:
+                warn(f"{error}; the previous checkpoint is intact, training continues")
+        return path
+
+    def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        return all_gather_rows(ctx, t).sum(0)
 
     def validate(max_batches: int) -> EvalResult:
-        return evaluate(model, val_samples, tc.micro_batch_size, device, max_batches, byte_lengths, precision.autocast)
+        return evaluate(model, val_samples, tc.micro_batch_size, device, max_batches, byte_lengths,
+                        precision.autocast, ctx.rank, ctx.world_size, reduce_sum if ctx.distributed else None)
 
-    logger = MetricsLogger(run_dir, tensorboard=tc.tensorboard)
+    logger = MetricsLogger(run_dir, tensorboard=tc.tensorboard) if ctx.is_main else None
     params = [p for p in model.parameters() if p.requires_grad]
     losses: dict[int, float] = {}
-    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, grad-norm) not yet synced
+    pending: list[tuple[int, torch.Tensor | float, torch.Tensor]] = []  # (step, loss, grad-norm) not yet synced
     rate = {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": 0.0}
     steps_this_call = 0
+    rank_times: list[float] = []
     model.train()
 
-    with StopSignals() as stop, make_progress(TextColumn("{task.fields[info]}"), enabled=tc.progress) as bar:
+    with StopSignals(announce=ctx.is_main) as stop, \
+            make_progress(TextColumn("{task.fields[info]}"), enabled=tc.progress and ctx.is_main) as bar:
         task = bar.add_task("training", total=tc.steps, completed=step, info="")
         interval_t0, interval_steps = time.perf_counter(), 0
         while step < tc.steps:
-            # -- one optimizer step over the global batch, in grad_accum micro-batches
+            # -- one optimizer step: this rank's micro-batches of the global batch
             lr = lr_at(step, tc)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            step_loss = torch.zeros((), device=device)
-            for micro in range(tc.grad_accum):
-                idx = order.indices(consumed + micro * tc.micro_batch_size, tc.micro_batch_size)
-                x, y = batch_from_numpy(train_samples.batch(idx), device)
-                with precision.autocast():
-                    logits = model(x)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") / (
-                    global_batch * tc.seq_len
-                )
-                scaler.scale(loss).backward()
-                step_loss += loss.detach()
+            mine = plan.micro_positions(ctx.rank, consumed)
+            step_loss, compute_s = backward_share(
+                net, train_samples, order, mine, consumed, tokens_per_step, ctx.world_size, precision, scaler,
+                device, after_micro=lambda seconds: slowdown.after_compute(seconds, step),
+            )
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
             scaler.step(optimizer)  # skipped (and the scale halved) if fp16 gradients overflowed
@@ -208,10 +311,31 @@ def train(
             steps_this_call += 1
             consumed += global_batch
             interval_steps += 1
-            pending.append((step, step_loss, grad_norm))
             bar.advance(task)
 
-            # -- log: one host sync per interval, not per step
+            # -- global view of the step: loss summed over ranks, each rank's time, any stop request
+            stop_requested = stop.signum is not None
+            if ctx.distributed:
+                rows = all_gather_rows(ctx, torch.stack([step_loss.double().cpu(), torch.tensor(compute_s, dtype=torch.float64),
+                                                         torch.tensor(float(stop_requested), dtype=torch.float64)]))
+                pending.append((step, float(rows[:, 0].sum()), grad_norm))
+                rank_times = rows[:, 1].tolist()
+                stop_requested = bool(rows[:, 2].max() > 0)
+                new_plan = monitor.observe(rank_times) if monitor else None
+                if new_plan is not None:
+                    old = [s.samples for s in plan.shares]
+                    plan = new_plan
+                    if ctx.is_main:
+                        plan.save(run_dir / PLAN_FILE)
+                        logger.log("event", step, {"event": "rebalance", "old_samples": old,
+                                                   "new_samples": [s.samples for s in plan.shares],
+                                                   "rank_compute_s": rank_times})
+                        bar.console.print(f"step {step}: step times drifted, re-balanced {old} -> "
+                                          f"{[s.samples for s in plan.shares]} samples per rank")
+            else:
+                pending.append((step, step_loss, grad_norm))
+
+            # -- log: one host sync per interval on a single process
             if step % tc.log_interval == 0 or step == tc.steps:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
@@ -223,24 +347,30 @@ def train(
                 tok_s = interval_steps * tokens_per_step / elapsed
                 rate = {"tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12, "mfu": fpt * tok_s / peak}
                 mean_loss = sum(lv for _, lv, _ in synced) / len(synced)
-                record = {
-                    "loss": mean_loss, "lr": lr, "grad_norm": synced[-1][2], **rate,
-                    "hfu": rate["mfu"], "peak_mem_mb": peak_memory_mb(device),
-                    "tokens": consumed * tc.seq_len, "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
-                }
-                logger.log("train", step, record)
+                if ctx.is_main:
+                    record = {
+                        "loss": mean_loss, "lr": lr, "grad_norm": synced[-1][2], **rate,
+                        "hfu": rate["mfu"], "peak_mem_mb": peak_memory_mb(device),
+                        "step_time_s": elapsed / interval_steps, "tokens": consumed * tc.seq_len,
+                        "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
+                    }
+                    if ctx.distributed:
+                        record["rank_compute_s"] = rank_times
+                        record["rank_samples"] = [s.samples for s in plan.shares]
+                    logger.log("train", step, record)
                 info = f"loss {mean_loss:.4f} | {tok_s:,.0f} tok/s | MFU {rate['mfu']:.1%}"
                 bar.update(task, info=info)
-                bar.console.print(f"step {step:>6}/{tc.steps} | {info} | lr {lr:.2e} | gnorm {synced[-1][2]:.3f}")
+                say(f"step {step:>6}/{tc.steps} | {info} | lr {lr:.2e} | gnorm {synced[-1][2]:.3f}")
                 interval_t0, interval_steps = time.perf_counter(), 0
 
             # -- validate and checkpoint (excluded from the throughput figures)
             paused = time.perf_counter()
             if step % tc.eval_interval == 0 and step < tc.steps:
                 v = validate(tc.eval_batches)
-                logger.log("val", step, v.to_dict())
-                bar.console.print(f"step {step:>6} | val loss {v.loss:.4f} | ppl {v.perplexity:.1f}")
-            stopping = stop.signum is not None or (stop_after is not None and steps_this_call >= stop_after)
+                if ctx.is_main:
+                    logger.log("val", step, v.to_dict())
+                say(f"step {step:>6} | val loss {v.loss:.4f} | ppl {v.perplexity:.1f}")
+            stopping = stop_requested or (stop_after is not None and steps_this_call >= stop_after)
             if (step % tc.checkpoint_interval == 0 or stopping) and step < tc.steps:
                 last_ckpt = write_checkpoint(final=False) or last_ckpt
             interval_t0 += time.perf_counter() - paused
@@ -253,16 +383,20 @@ def train(
     val = None
     if not interrupted:
         val = validate(tc.final_eval_batches)
-        logger.log("val", step, val.to_dict())
+        if ctx.is_main:
+            logger.log("val", step, val.to_dict())
         if steps_this_call or last_ckpt is None:  # a finished run that was resumed needs no rewrite
             last_ckpt = write_checkpoint(final=True)
-    logger.close()
-    plot = plot_loss_curve(logger.path, run_dir / "loss_curve.png", title=f"{cfg.name}: {n_params / 1e6:.1f}M params")
-    result = TrainResult(
+    plot = run_dir / "loss_curve.png"
+    if ctx.is_main:
+        logger.close()
+        plot_loss_curve(logger.path, plot, title=f"{cfg.name}: {n_params / 1e6:.1f}M params")
+    barrier(ctx)
+    return TrainResult(
         run_dir=run_dir, step=step, losses=losses, val=val, peak_tflops=peak / 1e12,
         checkpoint=last_ckpt, interrupted=interrupted, **rate,
-        extra={"plot": str(plot), "metrics": str(logger.path), "params": n_params,
-               "flops_per_token": fpt, "signal": stop.signum,
+        extra={"plot": str(plot), "metrics": str(run_dir / "metrics.jsonl"), "params": n_params,
+               "flops_per_token": fpt, "signal": stop.signum, "rank": ctx.rank, "world_size": ctx.world_size,
+               "plan": plan.to_dict(),
                "peak_source": "configured" if tc.peak_tflops else "measured"},
     )
-    return result

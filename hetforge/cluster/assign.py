@@ -1,0 +1,131 @@
+"""Giving every rank its share of the global batch at the start of a run, and re-balancing when
+the measured step times drift from the plan.
+
+Every rank probes itself, the reports are all-gathered, and each rank solves the same deterministic
+problem; rank 0's plan is broadcast anyway so that no rank can ever disagree. The plan is saved to
+`RUN/balance.json` with a fingerprint of what it depends on (ranks, their devices, model, batch,
+sequence length) and reused when a run resumes on the same cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hetforge.cluster.balance import (
+    BalancePlan,
+    RankInfo,
+    RankShare,
+    TimeModel,
+    balanced_plan,
+    equal_plan,
+    fixed_plan,
+)
+from hetforge.cluster.dist import DistContext, all_gather_object, broadcast_object
+from hetforge.cluster.probe import probe
+from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
+from hetforge.config import RunConfig
+
+PLAN_FILE = "balance.json"
+
+
+def _fingerprint(cfg: RunConfig, reports: list[dict]) -> str:
+    key = {
+        "ranks": [(r["host"], r["device"], r["memory_gb"], r["declared"]) for r in reports],
+        "model": cfg.model.model_dump(mode="json"),
+        "global_batch": cfg.train.global_batch_size,
+        "seq_len": cfg.train.seq_len,
+        "max_micro": cfg.train.micro_batch_size,
+        "precision": cfg.train.precision,
+        "balance": cfg.cluster.balance,
+        "assignments": [a.model_dump() for a in cfg.cluster.assignments],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def single_process_plan(cfg: RunConfig) -> BalancePlan:
+    """One rank: micro-batches of train.micro_batch_size, exactly the plain loop's schedule."""
+    b, B = cfg.train.micro_batch_size, cfg.train.global_batch_size
+    parts = [b] * (B // b) + ([B % b] if B % b else [])
+    return BalancePlan(B, "single", [RankShare(0, "localhost", "local", None, 0.0, b, B, parts, 0.0)])
+
+
+def plan_for_run(
+    cfg: RunConfig, ctx: DistContext, model: nn.Module, device: torch.device, autocast, vocab: int,
+    run_dir: Path, console=None,
+) -> BalancePlan:
+    if not ctx.distributed:
+        return single_process_plan(cfg)
+    spec = rank_device(cfg.cluster, ctx)
+    memory = device_memory_bytes(spec, device)
+    report = {
+        "rank": ctx.rank, "host": ctx.host, "device": device_name(spec, device),
+        "memory_gb": memory / 2**30 if memory else None,
+        "declared": spec.speed if spec else None,
+    }
+    reports = all_gather_object(ctx, report)
+    fingerprint = _fingerprint(cfg, reports)
+    saved = BalancePlan.load(run_dir / PLAN_FILE)
+    if saved is not None and saved.fingerprint == fingerprint:
+        if console is not None and ctx.is_main:
+            console.print(f"reusing the batch balance in {run_dir / PLAN_FILE}")
+        return saved
+
+    label = f"rank {ctx.rank} ({report['device']} on {ctx.host})"
+    all_declared = all(r["declared"] for r in reports)
+    tm, facts = probe(model, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
+                      Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label)
+    gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "facts": facts})
+    infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"], TimeModel(g["points"], g["max_micro"]))
+             for r, g in zip(reports, gathered)]
+    B = cfg.train.global_batch_size
+    if cfg.cluster.balance == "fixed":
+        plan = fixed_plan(infos, B, [(a.samples, a.micro_batch_size) for a in cfg.cluster.assignments])
+    elif cfg.cluster.balance == "equal":
+        plan = equal_plan(infos, B)
+    else:
+        plan = balanced_plan(infos, B)
+    plan.fingerprint = fingerprint
+    plan = broadcast_object(ctx, plan)
+    if ctx.is_main:
+        plan.save(run_dir / PLAN_FILE)
+        if console is not None:
+            console.print(plan.table())
+    return plan
+
+
+class DriftMonitor:
+    """Watches each rank's measured compute time per step against the plan's prediction. When some
+    rank is off by more than `threshold` (relative to the median rank) for `window` consecutive
+    steps, it rescales that rank's time model by what was observed and solves again. The global
+    batch never changes; every rank sees the same gathered times, so all reach the same new plan."""
+
+    def __init__(self, plan: BalancePlan, threshold: float, window: int, warmup_steps: int = 2):
+        self.plan, self.threshold, self.window, self.warmup = plan, threshold, window, warmup_steps
+        self.strikes, self.seen = 0, 0
+        self.models = [TimeModel(m["points"], m["max_micro"]) for m in plan.models]
+
+    def observe(self, compute_s: list[float]) -> BalancePlan | None:
+        self.seen += 1
+        if self.seen <= self.warmup or len(self.models) != len(compute_s):
+            return None
+        ratios = {s.rank: compute_s[s.rank] / s.predicted_s for s in self.plan.shares
+                  if s.samples > 0 and s.predicted_s > 0}
+        if len(ratios) < 2:
+            return None
+        med = statistics.median(ratios.values())
+        drift = max(abs(r / med - 1.0) for r in ratios.values())
+        self.strikes = self.strikes + 1 if drift > self.threshold else 0
+        if self.strikes < self.window:
+            return None
+        self.models = [m.scaled(ratios.get(i, med)) for i, m in enumerate(self.models)]
+        infos = [RankInfo(s.rank, s.host, s.device, s.memory_gb, m) for s, m in zip(self.plan.shares, self.models)]
+        new = balanced_plan(infos, self.plan.global_batch)
+        new.fingerprint, new.mode = self.plan.fingerprint, "rebalanced"
+        self.plan, self.strikes, self.seen = new, 0, 0
+        return new

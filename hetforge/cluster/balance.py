@@ -1,0 +1,248 @@
+"""Splitting the global batch over unequal ranks.
+
+Each rank has a time model t_i(b): seconds for one forward+backward micro-step of b samples,
+interpolated from a few measured points, and a largest micro-batch its memory allows. A rank given
+n samples runs them as a = ceil(n / b) micro-steps of near-equal size, with the b that minimises its
+time. The balancer picks the n_i (summing exactly to the global batch) that minimise the step time
+max_i time_i(n_i): a greedy fill (each next sample to the rank whose time grows least) followed by
+single-sample moves off the slowest rank while they help. That is within one sample's time of the
+optimum for time models that grow with n, which measured ones do.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+class BalanceError(ValueError):
+    pass
+
+
+@dataclass
+class TimeModel:
+    points: list[tuple[int, float]]  # (micro-batch, seconds per micro-step), b ascending
+    max_micro: int
+
+    def __post_init__(self):
+        self.points = sorted((int(b), float(t)) for b, t in self.points)
+        if not self.points:
+            raise BalanceError("a time model needs at least one measured point")
+        self._bs = [b for b, _ in self.points]
+
+    def __call__(self, b: int) -> float:
+        if b <= 0:
+            return 0.0
+        pts = self.points
+        if len(pts) == 1:
+            return pts[0][1] * b / pts[0][0]
+        i = bisect.bisect_left(self._bs, b)
+        if i < len(pts) and pts[i][0] == b:
+            return pts[i][1]
+        if i == 0:  # below the smallest measured size: proportional, never below zero
+            return pts[0][1] * b / pts[0][0]
+        (b0, t0), (b1, t1) = (pts[i - 1], pts[i]) if i < len(pts) else (pts[-2], pts[-1])
+        return max(t0 + (t1 - t0) * (b - b0) / (b1 - b0), 1e-9)
+
+    def scaled(self, factor: float) -> "TimeModel":
+        return TimeModel([(b, t * factor) for b, t in self.points], self.max_micro)
+
+    def samples_per_s(self) -> float:
+        return max(b / t for b, t in self.points if b <= self.max_micro)
+
+    def _best(self, n: int) -> tuple[float, int, int, int]:
+        best: tuple[float, int, int, int] | None = None
+        for b in sorted({b for b in self._bs if b <= self.max_micro} | {min(n, self.max_micro)}):
+            a = math.ceil(n / b)
+            q, r = divmod(n, a)  # r micro-steps of q + 1 samples, a - r of q
+            t = r * self(q + 1) + (a - r) * self(q)
+            if best is None or t < best[0] - 1e-15:
+                best = (t, q, r, a)
+        return best
+
+    def split(self, n: int) -> tuple[list[int], float]:
+        """Best micro-batch sizes for n samples on this rank, and their total time."""
+        if n == 0:
+            return [], 0.0
+        t, q, r, a = self._best(n)
+        return [q + 1] * r + [q] * (a - r), t
+
+    def cost(self, n: int) -> float:
+        return self._best(n)[0] if n > 0 else 0.0
+
+
+@dataclass
+class RankShare:
+    rank: int
+    host: str
+    device: str
+    memory_gb: float | None
+    samples_per_s: float
+    max_micro: int
+    samples: int
+    micro_batches: list[int]
+    predicted_s: float
+
+    @property
+    def micro_batch_size(self) -> int:
+        return max(self.micro_batches, default=0)
+
+    @property
+    def grad_accum(self) -> int:
+        return len(self.micro_batches)
+
+
+@dataclass
+class BalancePlan:
+    global_batch: int
+    mode: str
+    shares: list[RankShare]
+    fingerprint: str = ""
+    models: list[dict] = field(default_factory=list)  # the time models it was solved from
+
+    @property
+    def predicted_step_s(self) -> float:
+        return max(s.predicted_s for s in self.shares)
+
+    def offsets(self) -> list[int]:
+        out, acc = [], 0
+        for s in self.shares:
+            out.append(acc)
+            acc += s.samples
+        return out
+
+    def micro_positions(self, rank: int, consumed: int) -> list[tuple[int, int]]:
+        """(first global sample position, count) of each of this rank's micro-batches in the step
+        that starts at global position `consumed`. Ranks take consecutive slices in rank order, so
+        the union over ranks is exactly the single-process global batch, in the same order."""
+        start = consumed + self.offsets()[rank]
+        out = []
+        for n in self.shares[rank].micro_batches:
+            out.append((start, n))
+            start += n
+        return out
+
+    def to_dict(self) -> dict:
+        return {"global_batch": self.global_batch, "mode": self.mode, "fingerprint": self.fingerprint,
+                "predicted_step_s": self.predicted_step_s, "shares": [asdict(s) for s in self.shares],
+                "models": self.models}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BalancePlan":
+        return cls(d["global_batch"], d["mode"], [RankShare(**s) for s in d["shares"]], d.get("fingerprint", ""),
+                   d.get("models", []))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "BalancePlan | None":
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            return None
+
+    def table(self, title: str = "batch balance"):
+        from rich.table import Table
+
+        t = Table(title=f"{title} ({self.mode}): global batch {self.global_batch}, "
+                        f"predicted step {self.predicted_step_s * 1e3:.1f} ms")
+        for col in ("rank", "host", "device", "memory", "samples/s", "micro-batch", "accum", "share",
+                    "predicted"):
+            t.add_column(col, justify="right" if col not in ("host", "device") else "left")
+        for s in self.shares:
+            t.add_row(str(s.rank), s.host, s.device, f"{s.memory_gb:.1f} GB" if s.memory_gb else "-",
+                      f"{s.samples_per_s:,.1f}", str(s.micro_batch_size), str(s.grad_accum),
+                      f"{s.samples} ({s.samples / self.global_batch:.0%})", f"{s.predicted_s * 1e3:.1f} ms")
+        return t
+
+
+@dataclass
+class RankInfo:
+    """What a rank reports about itself for planning."""
+
+    rank: int
+    host: str
+    device: str
+    memory_gb: float | None
+    model: TimeModel
+
+
+def _shares(infos: list[RankInfo], counts: list[int]) -> list[RankShare]:
+    out = []
+    for info, n in zip(infos, counts):
+        parts, t = info.model.split(n)
+        out.append(RankShare(info.rank, info.host, info.device, info.memory_gb, info.model.samples_per_s(),
+                             info.model.max_micro, n, parts, t))
+    return out
+
+
+def solve_counts(models: list[TimeModel], global_batch: int) -> list[int]:
+    """Samples per rank minimising max_i cost_i(n_i) with sum n_i = global_batch."""
+    counts = [0] * len(models)
+    heap = [(m.cost(1), i) for i, m in enumerate(models)]
+    heapq.heapify(heap)
+    for _ in range(global_batch):
+        _, i = heapq.heappop(heap)
+        counts[i] += 1
+        heapq.heappush(heap, (models[i].cost(counts[i] + 1), i))
+    for _ in range(global_batch):  # polish: move single samples off the slowest rank
+        costs = [m.cost(n) for m, n in zip(models, counts)]
+        worst = max(range(len(models)), key=lambda i: costs[i])
+        if counts[worst] == 0:
+            break
+        best_j, best_max = None, costs[worst]
+        for j, m in enumerate(models):
+            if j == worst:
+                continue
+            new_max = max([models[worst].cost(counts[worst] - 1), m.cost(counts[j] + 1)]
+                          + [c for k, c in enumerate(costs) if k not in (worst, j)])
+            if new_max < best_max - 1e-12:
+                best_j, best_max = j, new_max
+        if best_j is None:
+            break
+        counts[worst] -= 1
+        counts[best_j] += 1
+    return counts
+
+
+def balanced_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
+    counts = solve_counts([i.model for i in infos], global_batch)
+    return BalancePlan(global_batch, "balanced", _shares(infos, counts),
+                       models=[{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos])
+
+
+def equal_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
+    """HetSeq's default: the same share for every rank, whatever its speed (within memory)."""
+    w = len(infos)
+    counts = [global_batch // w + (1 if r < global_batch % w else 0) for r in range(w)]
+    return BalancePlan(global_batch, "equal", _shares(infos, counts),
+                       models=[{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos])
+
+
+def fixed_plan(infos: list[RankInfo], global_batch: int, assignments: list[tuple[int, int]]) -> BalancePlan:
+    """User-set (samples, micro_batch_size) per rank, checked against the batch and memory."""
+    if len(assignments) != len(infos):
+        raise BalanceError(f"cluster.assignments has {len(assignments)} entries for {len(infos)} ranks")
+    total = sum(n for n, _ in assignments)
+    if total != global_batch:
+        raise BalanceError(f"cluster.assignments sum to {total} samples but the global batch is {global_batch}")
+    shares = []
+    for info, (n, b) in zip(infos, assignments):
+        if b > info.model.max_micro:
+            raise BalanceError(
+                f"cluster.assignments[{info.rank}]: micro-batch {b} exceeds what rank {info.rank} "
+                f"({info.device}, {info.memory_gb or '?'} GB) fits in memory: at most {info.model.max_micro}"
+            )
+        a = math.ceil(n / b) if n else 0
+        parts = [b] * (a - 1) + [n - b * (a - 1)] if a else []
+        shares.append(RankShare(info.rank, info.host, info.device, info.memory_gb, info.model.samples_per_s(),
+                                info.model.max_micro, n, parts, sum(info.model(p) for p in parts)))
+    return BalancePlan(global_batch, "fixed", shares,
+                       models=[{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos])
