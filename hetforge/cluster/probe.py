@@ -105,12 +105,13 @@ def probe(
             t0 = time.perf_counter()
             with autocast():
                 logits = model(x[:, :-1])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            slowdown.after_forward(time.perf_counter() - t0, step=0)  # a later throttle is not probed
             loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            slowdown.after_compute(dt, step=0)  # a throttle that starts later is not probed
             if i:
                 times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)

@@ -65,12 +65,16 @@ def device_name(spec: DeviceSpec | None, device: torch.device) -> str:
 
 
 class Slowdown:
-    """Makes this rank behave like a device `factor` times slower (simulation only)."""
+    """Makes this rank behave like a device `factor` times slower (simulation only).
+
+    The sleep comes right after each forward pass and lasts (factor - 1) x 3 x the forward time
+    (backward ~ 2 x forward): it lands before the gradients are synchronised, where a slower
+    device's extra time would be, and the probe and the loop apply the same rule."""
 
     def __init__(self, spec: DeviceSpec | None):
         self.factor = spec.slowdown if spec else 1.0
         self.from_step = spec.slowdown_from_step if spec else 0
 
-    def after_compute(self, seconds: float, step: int) -> None:
+    def after_forward(self, forward_seconds: float, step: int) -> None:
         if self.factor > 1.0 and step >= self.from_step:
-            time.sleep((self.factor - 1.0) * seconds)
+            time.sleep((self.factor - 1.0) * 3.0 * forward_seconds)

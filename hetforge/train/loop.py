@@ -123,34 +123,56 @@ def backward_share(
     precision: Precision,
     scaler: torch.amp.GradScaler,
     device: torch.device,
-    after_micro=None,
+    after_forward=None,
+    clock: "BucketClock | None" = None,
 ) -> tuple[torch.Tensor, float]:
     """Forward/backward of this rank's micro-batches (given as (global position, count)) with the
     gradient sync only on the last one. Returns this rank's part of the step loss and its compute
-    seconds. With no micro-batches it runs one dummy micro-batch of weight 0, so that the rank
-    still joins the step's all-reduce."""
+    seconds, waiting for other ranks excluded (the balancer needs this rank's own speed). With no
+    micro-batches it runs one dummy micro-batch of weight 0, so that the rank still joins the
+    step's all-reduce."""
     distributed = isinstance(net, DistributedDataParallel)
     work = micro_batches or [(consumed, 1)]
     weight = world_size if micro_batches else 0.0  # DDP averages over ranks: undo it
     step_loss = torch.zeros((), device=device)
     compute_s = 0.0
     for j, (start, count) in enumerate(work):
-        sync = contextlib.nullcontext() if j == len(work) - 1 or not distributed else net.no_sync()
-        with sync:
+        synced = j == len(work) - 1 and distributed
+        with contextlib.nullcontext() if synced or not distributed else net.no_sync():
             t0 = time.perf_counter()
             x, y = batch_from_numpy(samples.batch(order.indices(start, count)), device)
             with precision.autocast():
                 logits = net(x)
+            if after_forward is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                after_forward(time.perf_counter() - t0)
             token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            if clock is not None:
+                clock.last = None
             scaler.scale(token_loss * weight / tokens_per_step).backward()
-            if distributed and device.type == "cuda":
-                torch.cuda.synchronize(device)  # honest per-rank timing for the balancer
-            if after_micro is not None:
-                after_micro(time.perf_counter() - t0)
-            compute_s += time.perf_counter() - t0
+            end = time.perf_counter()
+            if synced and clock is not None and clock.last is not None:
+                end = clock.last  # when the last gradient bucket was ready: before the all-reduce wait
+            compute_s += end - t0
         if micro_batches:
             step_loss += token_loss.detach() / tokens_per_step
     return step_loss, compute_s
+
+
+class BucketClock:
+    """A DDP communication hook that notes when each gradient bucket is ready, then all-reduces it
+    as DDP would: the last note is the end of this rank's backward compute, before any waiting for
+    slower ranks, while keeping DDP's overlap of communication with the backward pass."""
+
+    def __init__(self):
+        self.last: float | None = None
+
+    def hook(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        self.last = time.perf_counter()
+        return allreduce_hook(state, bucket)
 
 
 def train(
@@ -228,8 +250,12 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     monitor = (DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window)
                if ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto" else None)
     slowdown = Slowdown(rank_device(cfg.cluster, ctx) if cfg.cluster.nodes or cfg.cluster.file else None)
-    net = (DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-           if ctx.distributed else model)
+    net, clock = model, None
+    if ctx.distributed:
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if device.type == "cpu":  # on a GPU the host-side note would run ahead of the kernels
+            clock = BucketClock()
+            net.register_comm_hook(None, clock.hook)
 
     # ---- accounting
     n_params = model.num_parameters()
@@ -300,7 +326,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
             mine = plan.micro_positions(ctx.rank, consumed)
             step_loss, compute_s = backward_share(
                 net, train_samples, order, mine, consumed, tokens_per_step, ctx.world_size, precision, scaler,
-                device, after_micro=lambda seconds: slowdown.after_compute(seconds, step),
+                device, after_forward=lambda seconds: slowdown.after_forward(seconds, step), clock=clock,
             )
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
