@@ -64,8 +64,14 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
         torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=collective_timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun already did the rendezvous (bounded by its --rdzv-conf join_timeout)
-        dist.init_process_group(backend, timeout=timeout)
+        # torchrun did the rendezvous (bounded by its --rdzv-conf join_timeout) and hosts the store.
+        # Keys are prefixed with the restart attempt: after a rank failure and restart, the peers
+        # must not find the dead workers' addresses left in the store by the previous attempt.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"hetforge/attempt_{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
         return ctx
     addr = os.environ.get("MASTER_ADDR")
     port = _env_int("MASTER_PORT")

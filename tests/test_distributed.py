@@ -1,0 +1,201 @@
+"""Multi-process tests: gloo on localhost under torchrun, as a user would launch them."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from hetforge.train import checkpoint as ckpt
+from hetforge.train.loop import train
+from hetforge.train.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", *args]
+
+
+def run_train(cfg, nproc: int, tmp_path, *extra, timeout=240, max_restarts=0) -> subprocess.CompletedProcess:
+    path = tmp_path / f"{Path(cfg.run_dir).name}-{nproc}.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    res = subprocess.run(torchrun_cmd(nproc, "-m", "hetforge", "train", str(path), *extra, max_restarts=max_restarts),
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    return res
+
+
+def losses(cfg) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")["train"]}
+
+
+def final_weights(cfg) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt.resolve(cfg.run_dir) / "model.safetensors"))
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def two_cpus(slowdowns=(1.0, 1.0), memory_gb=4.0, from_step=0) -> dict:
+    return {"nodes": [{"host": "localhost", "devices": [
+        {"type": "cpu", "memory_gb": memory_gb, "slowdown": s, "slowdown_from_step": from_step if s > 1 else 0}
+        for s in slowdowns]}]}
+
+
+def with_cluster(make_cfg, name, cluster: dict, **train_kw):
+    cfg = make_cfg(name, **train_kw)
+    return cfg.model_copy(update={"cluster": type(cfg.cluster).model_validate(cluster)})
+
+
+def test_unequal_shares_give_the_global_batch_gradient(tmp_path, data_dir):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import dist_worker
+
+    out = tmp_path / "grads.pt"
+    res = subprocess.run(torchrun_cmd(2, str(ROOT / "tests" / "dist_worker.py"), str(out), str(data_dir), "3x3,5x3"),
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = torch.load(out, weights_only=True)
+    # the same 8 samples as one micro-batch in one process
+    model, samples, order = dist_worker.setup(data_dir)
+    from hetforge.train.loop import backward_share
+    from hetforge.train.precision import Precision
+
+    prec = Precision("fp32", torch.device("cpu"))
+    loss, _ = backward_share(model, samples, order, [(40, 8)], 40, 8 * dist_worker.SEQ, 1, prec, prec.grad_scaler(),
+                             torch.device("cpu"))
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert max_diff(got["grads"], ref) <= 1e-6
+    assert float(got["loss"]) == pytest.approx(float(loss), abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    """One process, global batch 8, 6 steps: what every distributed variant must reproduce."""
+    from tests.conftest import tiny_raw
+    from hetforge.config import build_config
+
+    cfg = build_config(tiny_raw(tmp_path_factory.mktemp("ref") / "ref", data_dir, steps=6, micro_batch_size=8,
+                                checkpoint_interval=3))
+    train(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("shares", [[(3, 3), (5, 3)], [(8, 4), (0, 1)]], ids=["3+5", "8+0"])
+def test_distributed_run_equals_single_process(make_cfg, tmp_path, reference, shares):
+    cluster = {**two_cpus(), "balance": "fixed",
+               "assignments": [{"samples": n, "micro_batch_size": b} for n, b in shares]}
+    cfg = with_cluster(make_cfg, "dist", cluster, steps=6, micro_batch_size=8, checkpoint_interval=3)
+    res = run_train(cfg, 2, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got, ref = losses(cfg), losses(reference)
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(ref[s], abs=1e-6) for s in ref)
+    # gradients agree to 1e-6 (test above); Adam's g / sqrt(v) magnifies that rounding on
+    # near-zero gradient entries, so after 6 steps the weights agree to ~1e-5 of their scale
+    assert max_diff(final_weights(cfg), final_weights(reference)) <= 1e-4
+    plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
+    assert [s["samples"] for s in plan["shares"]] == [n for n, _ in shares]
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
+def test_resume_on_a_different_world_size(make_cfg, tmp_path, reference, first, second):
+    cfg = with_cluster(make_cfg, f"resume{first}{second}", {}, steps=6, micro_batch_size=8, checkpoint_interval=3)
+    if first == 1:
+        train(cfg, stop_after=3)
+    else:
+        assert run_train(cfg, 2, tmp_path, "--stop-after", "3").returncode == 0
+    if second == 1:
+        train(cfg)
+    else:
+        res = run_train(cfg, 2, tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+    got, ref = losses(cfg), losses(reference)
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(ref[s], abs=1e-5) for s in ref)
+
+
+def _worker_pid(parent: int, local_rank: int) -> int | None:
+    for child in Path("/proc").iterdir():
+        if not child.name.isdigit():
+            continue
+        try:
+            stat = (child / "stat").read_text().split()
+            env = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat[3]) == parent and f"LOCAL_RANK={local_rank}".encode() in env:
+            return int(child.name)
+    return None
+
+
+def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tmp_path):
+    cluster = {**two_cpus(slowdowns=(20.0, 20.0)), "balance": "fixed",
+               "assignments": [{"samples": 3, "micro_batch_size": 3}, {"samples": 5, "micro_batch_size": 5}]}
+    kw = dict(steps=30, micro_batch_size=8, checkpoint_interval=5, eval_interval=1000)
+    clean = with_cluster(make_cfg, "clean", cluster, **kw)
+    assert run_train(clean, 2, tmp_path).returncode == 0
+
+    cfg = with_cluster(make_cfg, "faulty", cluster, **kw)
+    path = tmp_path / "faulty.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = subprocess.Popen(torchrun_cmd(2, "-m", "hetforge", "train", str(path), max_restarts=1), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    root = Path(cfg.run_dir) / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (root / "step_00000010").exists():
+        time.sleep(0.1)
+    victim = _worker_pid(proc.pid, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    assert max_diff(final_weights(cfg), final_weights(clean)) == 0.0
+
+
+def test_rebalance_when_a_rank_slows_down(make_cfg, tmp_path):
+    cluster = {**two_cpus(slowdowns=(1.0, 4.0), from_step=5), "rebalance_threshold": 0.4, "rebalance_window": 2}
+    cfg = with_cluster(make_cfg, "drift", cluster, steps=14, micro_batch_size=4, grad_accum=4, eval_interval=1000)
+    res = run_train(cfg, 2, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    events = read_metrics(Path(cfg.run_dir) / "metrics.jsonl").get("event", [])
+    assert events, res.stdout[-3000:]
+    ev = events[0]
+    assert ev["event"] == "rebalance" and ev["step"] > 5
+    assert sum(ev["new_samples"]) == sum(ev["old_samples"]) == 16
+    assert ev["new_samples"][1] < ev["old_samples"][1]
+
+
+def test_device_without_enough_memory_is_a_clear_error(make_cfg, tmp_path):
+    cfg = with_cluster(make_cfg, "oom", two_cpus(memory_gb=0.0001))
+    res = run_train(cfg, 2, tmp_path, timeout=120)
+    assert res.returncode != 0
+    assert "GiB but the model needs about" in res.stderr
+
+
+def test_unreachable_rendezvous_fails_fast(make_cfg, tmp_path):
+    cfg = make_cfg("lonely")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free, and nobody listens there
+    env = {**ENV, "WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "hetforge", "train", str(path), "--set", "cluster.rendezvous_timeout_s=3"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    assert res.returncode == 2
+    assert f"could not reach the rendezvous at 127.0.0.1:{port} within 3s" in res.stderr
+    assert time.time() - t0 < 60
