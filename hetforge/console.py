@@ -14,7 +14,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-console = Console(stderr=False, highlight=False, soft_wrap=True)
+# Logs and CI have no terminal width: give tables room instead of rich's 80 columns.
+console = Console(stderr=False, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
 err_console = Console(stderr=True, highlight=False)
 
 

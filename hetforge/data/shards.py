@@ -13,7 +13,6 @@ store how many samples were consumed, and any number of ranks can slice the same
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +114,3 @@ class SampleOrder:
     def indices(self, start: int, count: int) -> list[int]:
         return [self[p] for p in range(start, start + count)]
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
