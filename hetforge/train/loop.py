@@ -247,8 +247,14 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     if plan_only:
         return TrainResult(run_dir, step, {}, None, 0.0, 0.0, 0.0, 0.0, last_ckpt,
                            extra={"plan": plan.to_dict(), "rank": ctx.rank, "world_size": ctx.world_size})
-    monitor = (DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window)
-               if ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto" else None)
+    # Drift needs each rank's own compute time; on CPU the DDP hook gives it (BucketClock), on a GPU
+    # host timestamps run ahead of the kernels, so re-balancing stays off there until CUDA-event
+    # timing lands.
+    watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto"
+    if watch and device.type == "cuda":
+        say("re-balancing on drift is CPU-only for now; the initial balance holds for this run")
+        watch = False
+    monitor = DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window) if watch else None
     slowdown = Slowdown(rank_device(cfg.cluster, ctx) if cfg.cluster.nodes or cfg.cluster.file else None)
     net, clock = model, None
     if ctx.distributed:
