@@ -174,6 +174,11 @@ class RankInfo:
     model: TimeModel
 
 
+def _models(infos: list[RankInfo]) -> list[dict]:
+    """The time models a plan was solved from, kept in the plan so re-balancing can rescale them."""
+    return [{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos]
+
+
 def _shares(infos: list[RankInfo], counts: list[int]) -> list[RankShare]:
     out = []
     for info, n in zip(infos, counts):
@@ -215,7 +220,7 @@ def solve_counts(models: list[TimeModel], global_batch: int) -> list[int]:
 def balanced_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
     counts = solve_counts([i.model for i in infos], global_batch)
     return BalancePlan(global_batch, "balanced", _shares(infos, counts),
-                       models=[{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos])
+                       models=_models(infos))
 
 
 def equal_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
@@ -223,7 +228,7 @@ def equal_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
     w = len(infos)
     counts = [global_batch // w + (1 if r < global_batch % w else 0) for r in range(w)]
     return BalancePlan(global_batch, "equal", _shares(infos, counts),
-                       models=[{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos])
+                       models=_models(infos))
 
 
 def fixed_plan(infos: list[RankInfo], global_batch: int, assignments: list[tuple[int, int]]) -> BalancePlan:
@@ -245,4 +250,4 @@ def fixed_plan(infos: list[RankInfo], global_batch: int, assignments: list[tuple
         shares.append(RankShare(info.rank, info.host, info.device, info.memory_gb, info.model.samples_per_s(),
                                 info.model.max_micro, n, parts, sum(info.model(p) for p in parts)))
     return BalancePlan(global_batch, "fixed", shares,
-                       models=[{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos])
+                       models=_models(infos))
