@@ -6,9 +6,11 @@ time after every forward, before the gradient sync, as a slower device would tak
 k in {1, 2, 4} both splits train the same model on the same global batch in this one run; the
 figure is the median steady-state step time (first log interval dropped). The ideal balanced step is
 B / sum_i r_i with r_i each rank's measured samples/s. Also: scaling efficiency of 2 ranks over 1 at
-k = 1 (tokens/s of 2 ranks / (2 x tokens/s of 1)).
+k = 1 (tokens/s of 2 ranks / (2 x tokens/s of 1)), and the peer a user would otherwise pick: the
+same model and global batch under DeepSpeed ZeRO-1 (bench/deepspeed_peer.py, CPU accelerator, gloo,
+equal split only) at k = 1 and 2, when the `bench` extra is installed.
 
-    .venv/bin/python bench/hetero_balance.py          # ~4 minutes on 2 cores
+    .venv/bin/python bench/hetero_balance.py          # ~8 minutes on 2 cores with DeepSpeed
     .venv/bin/python bench/hetero_balance.py --quick  # smoke run
 
 Last line: one JSON object with the figures.
@@ -89,6 +91,24 @@ def main() -> None:
         print(f"k={k}: equal {eq['step_s'] * 1e3:.0f} ms (split {eq['samples']}) | balanced "
               f"{bal['step_s'] * 1e3:.0f} ms (split {bal['samples']}, predicted {bal['predicted_s'] * 1e3:.0f} ms) "
               f"| balanced/equal {ratio:.3f} | balanced/ideal {vs_ideal:.3f}", flush=True)
+    try:
+        import deepspeed  # noqa: F401  (the bench extra)
+
+        for k in (1, 2):
+            out = work / f"ds-k{k}.json"
+            res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                  str(ROOT / "bench" / "deepspeed_peer.py"), str(out), str(k), str(steps), str(B)],
+                                 cwd=ROOT, env={**ENV, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
+            if res.returncode != 0:
+                raise SystemExit(f"deepspeed peer failed:\n{res.stderr[-3000:]}")
+            ds = json.loads(out.read_text())
+            het_tps = B * 128 / figures[f"k{k}_balanced_step_s"]
+            figures[f"k{k}_deepspeed_step_s"] = ds["step_s"]
+            figures[f"k{k}_hetforge_vs_deepspeed"] = het_tps / ds["tokens_per_s"]
+            print(f"k={k}: DeepSpeed ZeRO-1 (equal split) {ds['step_s'] * 1e3:.0f} ms | hetforge balanced / "
+                  f"DeepSpeed tokens/s {figures[f'k{k}_hetforge_vs_deepspeed']:.3f}", flush=True)
+    except ImportError:
+        print("DeepSpeed not installed (pip install -e '.[bench]'): peer comparison skipped", flush=True)
     one = run(work, "single", 1, 1, "auto", steps, B)
     two_tps = B * 128 / figures["k1_equal_step_s"]
     figures["scaling_efficiency_2_ranks"] = two_tps / (2 * one["tokens_per_s"])
