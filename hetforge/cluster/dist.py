@@ -63,30 +63,26 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     timeout = timedelta(seconds=collective_timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun did the rendezvous (bounded by its --rdzv-conf join_timeout) and hosts the store.
-        # Keys are prefixed with the restart attempt: after a rank failure and restart, the peers
-        # must not find the dead workers' addresses left in the store by the previous attempt.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=False, timeout=timedelta(seconds=rendezvous_timeout_s))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"hetforge/attempt_{attempt}", store),
-                                rank=rank, world_size=world, timeout=timeout)
-        return ctx
+    # Under torchrun the agent did the rendezvous (bounded by its --rdzv-conf join_timeout) and
+    # hosts the store; otherwise rank 0 hosts it. Keys are prefixed with the restart attempt: after
+    # a rank failure and a torchrun restart, peers must not find the dead workers' addresses.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     addr = os.environ.get("MASTER_ADDR")
     port = _env_int("MASTER_PORT")
     if not addr or port is None:
         raise ClusterError(f"rank {rank} of {world}: set MASTER_ADDR and MASTER_PORT (or launch with torchrun)")
     try:
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0,
-                              timeout=timedelta(seconds=rendezvous_timeout_s), wait_for_workers=True)
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
+                              timeout=timedelta(seconds=rendezvous_timeout_s), wait_for_workers=not agent_store)
     except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError are RuntimeErrors
         raise ClusterError(
             f"rank {rank} of {world} could not reach the rendezvous at {addr}:{port} within "
             f"{rendezvous_timeout_s:g}s ({err.__class__.__name__}); check MASTER_ADDR/MASTER_PORT, "
             f"that rank 0 is running, and firewalls"
         ) from None
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"hetforge/attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
     return ctx
 
 

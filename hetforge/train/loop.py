@@ -255,7 +255,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
         say("re-balancing on drift is CPU-only for now; the initial balance holds for this run")
         watch = False
     monitor = DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window) if watch else None
-    slowdown = Slowdown(rank_device(cfg.cluster, ctx) if cfg.cluster.nodes or cfg.cluster.file else None)
+    slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # None (no slowdown) when the cluster is not described
     net, clock = model, None
     if ctx.distributed:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
