@@ -136,12 +136,26 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        attn = self.drop(self.attention(self.input_layernorm(x), cos, sin))
+    # The two branches are separate methods so that a memory plan can recompute or offload each
+    # one on its own (selective recomputation) without a second copy of the block's logic.
+    def attn_branch(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.attention(self.input_layernorm(x), cos, sin))
+
+    def mlp_branch(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.mlp(self.post_attention_layernorm(x)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, run=None) -> torch.Tensor:
+        """`run(name, fn, *args)` executes a branch; a memory plan passes one, plain calls do not."""
+        run = run or _call
+        attn = run("attn", self.attn_branch, x, cos, sin)
         if self.parallel_residual:
-            return x + attn + self.drop(self.mlp(self.post_attention_layernorm(x)))
+            return x + attn + run("mlp", self.mlp_branch, x)
         x = x + attn
-        return x + self.drop(self.mlp(self.post_attention_layernorm(x)))
+        return x + run("mlp", self.mlp_branch, x)
+
+
+def _call(name, fn, *args):
+    return fn(*args)
 
 
 class GPTNeoX(nn.Module):
@@ -156,6 +170,9 @@ class GPTNeoX(nn.Module):
         if cfg.tie_embeddings:
             self.embed_out.weight = self.embed_in.weight
         self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)
+        # Set by `hetforge.memory.executor.apply_plan`: runs the block loop under a memory plan.
+        # A plain attribute, not a module, so state dicts and DDP see the same model either way.
+        self.block_runner = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -180,8 +197,11 @@ class GPTNeoX(nn.Module):
         """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
         cos, sin = self.rotary.cos_sin(idx.shape[1], idx.device)
         x = self.emb_dropout(self.embed_in(idx))
-        for block in self.layers:
-            x = block(x, cos, sin)
+        if self.block_runner is not None:
+            x = self.block_runner(self.layers, x, cos, sin)
+        else:
+            for block in self.layers:
+                x = block(x, cos, sin)
         return self.embed_out(self.final_layer_norm(x))
 
     def num_parameters(self, non_embedding: bool = False) -> int:

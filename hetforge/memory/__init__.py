@@ -1,0 +1,1 @@
+"""Memory planning: profile, plan (MILP and baselines), execute, verify."""
