@@ -1,4 +1,4 @@
-"""`hetforge` command line: prepare · train · eval · generate · demo."""
+"""`hetforge` command line: prepare · plan · train · balance · eval · generate · demo."""
 
 from __future__ import annotations
 
@@ -36,6 +36,17 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("balance", help="measure the ranks and split the global batch (run under torchrun)")
     _add_config(p)
+
+    p = sub.add_parser("plan", help="memory plan: keep / recompute / offload per block under a budget")
+    _add_config(p)
+    p.add_argument("--budget", default=None, help="device memory budget, e.g. 10GiB (default: memory.budget)")
+    p.add_argument("--device", default="auto", help="profile on this torch device: cpu, cuda, cuda:1, auto")
+    p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
+    p.add_argument("--strategy", default=None, choices=["milp", "none", "full", "sqrt", "recompute-only"])
+    p.add_argument("--granularity", default=None, choices=["block", "sublayer"])
+    p.add_argument("--cluster", default=None, metavar="FILE",
+                   help="a cluster YAML (nodes: ...): plan every device type at its memory and micro-batch")
+    p.add_argument("--out", default=None, help="directory for plan.json and the PNG (default RUN_DIR/memory)")
 
     p = sub.add_parser("eval", help="perplexity and bits-per-byte of a checkpoint on a split")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid one)")
@@ -119,6 +130,115 @@ def cmd_balance(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from hetforge.config import load_config
+    from hetforge.console import console
+    from hetforge.memory.device_plan import feasible_plans, plan_device, resolve_budget
+    from hetforge.memory.milp import baselines
+    from hetforge.memory.plan import format_bytes, parse_size
+    from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
+                                        save_plan, tensors_table)
+    from hetforge.model.gpt_neox import GPTNeoXConfig
+    from hetforge.train.precision import resolve_device, resolve_precision
+
+    overrides = list(args.overrides)
+    if args.budget is not None:
+        overrides.append(f"memory.budget={args.budget}")
+    if args.strategy:
+        overrides.append(f"memory.strategy={args.strategy}")
+    if args.granularity:
+        overrides.append(f"memory.granularity={args.granularity}")
+    cfg = load_config(args.config, overrides)
+    device = resolve_device(args.device) if args.device in ("auto", "cpu", "cuda") else torch_device(args.device)
+    precision = resolve_precision(cfg.train.precision, device)
+    model_cfg = GPTNeoXConfig.from_model_config(cfg.model, cfg.model.vocab_size or cfg.data.tokenizer.vocab_size)
+    seq, micro = cfg.train.seq_len, args.micro_batch or cfg.train.micro_batch_size
+    out = Path(args.out or Path(cfg.run_dir) / "memory")
+    mem = cfg.memory
+    if args.cluster:
+        return _plan_cluster(args.cluster, cfg, model_cfg, precision, device, out)
+    budget = resolve_budget(mem, None)
+    if mem.budget == "auto":
+        from hetforge.cluster.spec import device_memory_bytes
+
+        budget = device_memory_bytes(None, device)
+    console.print(f"profiling {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch {micro} x {seq} "
+                  f"tokens, {precision} on {device} ...")
+    dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer)
+    prof = dp.profile
+    console.print(tensors_table(prof))
+    console.print(decisions_table(dp.plan, prof))
+    console.print(breakdown_table(dp.prediction, budget))
+    if budget is not None:
+        console.print(baselines_table(prof, dp.plan, baselines(prof, budget, mem.granularity, mem.time_limit_s)))
+    if dp.plan.solve:
+        s = dp.plan.solve
+        if "seconds" in s:
+            console.print(f"HiGHS: {s['status']} in {s['seconds']:.3f}s, gap {s['gap']:.2%}, "
+                          f"{s['variables']} variables, {s['constraints']} constraints")
+    link = prof.link_bytes_per_s
+    console.print(f"host link {link / 1e9:.1f} GB/s ({'measured' if prof.meta.get('link_measured') else 'modelled'})")
+    png = plot_timeline(dp.prediction, dp.keep_all, budget, out / "memory_timeline.png",
+                        f"{cfg.name}: memory over one step (micro-batch {micro})")
+    path = save_plan(out / "plan.json", dp.plan, dp.prediction, budget,
+                     {"micro_batch": micro, "seq_len": seq, "precision": precision, "device": str(device)})
+    console.print(f"plan: {path}   timeline: {png}")
+    return 0
+
+
+def torch_device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
+def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> int:
+    from rich.table import Table
+
+    from hetforge.cluster.probe import candidate_sizes
+    from hetforge.config import ClusterConfig
+    from hetforge.console import console
+    from hetforge.memory.device_plan import feasible_plans
+    from hetforge.memory.milp import PlanError
+    from hetforge.memory.plan import format_bytes
+    from hetforge.cluster.spec import cluster_nodes
+
+    nodes = cluster_nodes(ClusterConfig(file=path))
+    kinds = {}
+    for node in nodes:
+        for d in node.devices:
+            kinds.setdefault((d.type, d.memory_gb, d.speed), 0)
+            kinds[(d.type, d.memory_gb, d.speed)] += d.count
+    t = Table(title=f"per-device memory plans for {cfg.name} (seq {cfg.train.seq_len}, {precision}; times "
+                    f"profiled on {device}, divided by the declared speed)")
+    for col in ("device", "count", "memory", "micro-batch", "plan", "predicted peak", "step ms", "samples/s"):
+        t.add_column(col)
+    rows = []
+    for (kind, mem_gb, speed), count in kinds.items():
+        if mem_gb is None:
+            raise ValueError(f"cluster device {kind!r} needs memory_gb for planning without it")
+        budget = mem_gb * 2**30
+        res = feasible_plans(model_cfg, cfg.memory.model_copy(update={"budget": budget}), cfg.train.seq_len,
+                             precision, device, candidate_sizes(cfg.train.micro_batch_size), budget,
+                             cfg.train.optimizer, speed=speed or 1.0)
+        ok = {b: dp for b, dp in res.items() if not isinstance(dp, PlanError)}
+        if not ok:
+            err = res[min(res)]
+            t.add_row(kind, str(count), f"{mem_gb:g} GB", "-", f"does not fit: {err}", "", "", "")
+            continue
+        b = max(ok, key=lambda b: b / ok[b].prediction.time_s)  # the best throughput
+        dp = ok[b]
+        rows.append({"device": kind, "micro_batch": b, "options": dp.plan.options,
+                     "peak_bytes": dp.prediction.peak_bytes, "time_s": dp.prediction.time_s})
+        t.add_row(kind, str(count), f"{mem_gb:g} GB", str(b), dp.summary(), format_bytes(dp.prediction.peak_bytes),
+                  f"{dp.prediction.time_s * 1e3:.2f}", f"{b / dp.prediction.time_s:.1f}")
+    console.print(t)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cluster_plans.json").write_text(json.dumps(rows, indent=1))
+    console.print(f"written {out / 'cluster_plans.json'}")
+    return 0
+
+
 def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
     from hetforge.data.shards import PackedSamples, TokenShard
     from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
@@ -194,7 +314,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "eval": cmd_eval, "generate": cmd_generate,
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "plan": cmd_plan, "eval": cmd_eval, "generate": cmd_generate,
             "demo": cmd_demo}
 
 

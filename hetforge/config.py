@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetforge.model.presets import PRESETS
 
@@ -204,6 +204,38 @@ class ClusterConfig(_Strict):
         return self
 
 
+class MemoryConfig(_Strict):
+    """Activation memory plan (keep / recompute / offload per block branch), made per device.
+
+    budget: None = no limit (keep everything); "auto" = the device's memory (declared
+    `memory_gb`, else what a GPU has); or a size such as "10GiB" / "512MiB" / a byte count."""
+
+    budget: str | float | None = None
+    strategy: Literal["milp", "none", "full", "sqrt", "recompute-only"] = "milp"
+    granularity: Literal["block", "sublayer"] = "sublayer"
+    link_gbps: float | None = Field(None, gt=0)  # host link GB/s; None: measured on GPU, 12 on CPU
+    time_limit_s: float = Field(60.0, gt=0)
+    verify_tolerance: float = Field(0.15, gt=0)  # warn when measured and predicted differ more
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, v):
+        if v is None or v == "auto":
+            return v
+        from hetforge.memory.plan import parse_size
+
+        try:
+            if parse_size(v) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"memory.budget must be auto, a size like 10GiB or 512MiB, or a byte count") from None
+        return v
+
+    @property
+    def active(self) -> bool:
+        return self.budget is not None or self.strategy not in ("milp", "none")
+
+
 class RunConfig(_Strict):
     name: str = "run"
     run_dir: str = "runs/run"
@@ -211,6 +243,7 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -1,0 +1,84 @@
+"""Planning for one device: profile → plan → prediction, for a config's model at a micro-batch.
+
+This is the API the training loop and the batch balancer use: `plan_device` for one micro-batch,
+`feasible_plans` for every candidate micro-batch of a device (the balancer's time model then
+includes the recomputation and transfer a memory-limited device pays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hetforge.memory.milp import PlanError, plan_for_strategy
+from hetforge.memory.plan import ModelProfile, Plan, Prediction, parse_size, simulate
+from hetforge.memory.profile import profile_model
+from hetforge.model.gpt_neox import GPTNeoXConfig
+
+PROFILE_CACHE = Path("data_cache") / "memory_profiles"
+
+
+@dataclass
+class DevicePlan:
+    micro_batch: int
+    budget: float | None
+    plan: Plan
+    prediction: Prediction
+    keep_all: Prediction
+    profile: ModelProfile
+
+    def summary(self) -> str:
+        runs, out = [], []
+        for i, o in enumerate(self.plan.options):
+            if runs and runs[-1][2] == o:
+                runs[-1][1] = i
+            else:
+                runs.append([i, i, o])
+        for s, e, o in runs:
+            out.append(f"{s}-{e}:{o}" if e > s else f"{s}:{o}")
+        if self.plan.segments:
+            out = [f"segments {self.plan.segments}"]
+        return ", ".join(out)
+
+
+def resolve_budget(mem_cfg, device_memory: float | None) -> float | None:
+    if mem_cfg.budget is None:
+        return None
+    if mem_cfg.budget == "auto":
+        return device_memory
+    return parse_size(mem_cfg.budget)
+
+
+def plan_device(
+    model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, micro_batch: int,
+    budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
+) -> DevicePlan:
+    """Raises PlanError (naming the smallest feasible budget) when nothing fits."""
+    link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
+    prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
+    plan = plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s)
+    keep = simulate(prof, Plan(["keep"] * model_cfg.n_layers, "keep-all"))
+    return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof)
+
+
+def feasible_plans(
+    model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, sizes: list[int],
+    budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
+    speed: float = 1.0,
+) -> dict[int, DevicePlan | PlanError]:
+    """Per candidate micro-batch its plan, or why none fits. `speed` divides the predicted time
+    (a declared device profiled on another one)."""
+    out: dict[int, DevicePlan | PlanError] = {}
+    for b in sizes:
+        try:
+            dp = plan_device(model_cfg, mem_cfg, seq_len, precision, device, b, budget, optimizer, cache_dir)
+        except PlanError as err:
+            out[b] = err
+            continue
+        if speed != 1.0:
+            dp.prediction.time_s /= speed
+            dp.keep_all.time_s /= speed
+        out[b] = dp
+    return out
