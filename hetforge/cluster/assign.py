@@ -44,6 +44,7 @@ def _fingerprint(cfg: RunConfig, reports: list[dict]) -> str:
         "precision": cfg.train.precision,
         "balance": cfg.cluster.balance,
         "assignments": [a.model_dump() for a in cfg.cluster.assignments],
+        "memory": cfg.memory.model_dump(mode="json"),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -53,6 +54,25 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
     b, B = cfg.train.micro_batch_size, cfg.train.global_batch_size
     parts = [b] * (B // b) + ([B % b] if B % b else [])
     return BalancePlan(B, "single", [RankShare(0, "localhost", "local", None, 0.0, b, B, parts, 0.0)])
+
+
+def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path):
+    from hetforge.memory.device_plan import plan_device, resolve_budget
+    from hetforge.memory.milp import PlanError
+    from hetforge.train.precision import resolve_precision
+
+    core = getattr(model, "module", model)
+    budget = resolve_budget(cfg.memory, memory)
+    precision = resolve_precision(cfg.train.precision, device)
+
+    def at(b: int):
+        try:
+            return plan_device(core.cfg, cfg.memory, cfg.train.seq_len, precision, device, b, budget,
+                               cfg.train.optimizer, cache_dir=run_dir / "memory")
+        except PlanError as err:
+            return err
+
+    return at
 
 
 def plan_for_run(
@@ -78,8 +98,12 @@ def plan_for_run(
 
     label = f"rank {ctx.rank} ({report['device']} on {ctx.host})"
     all_declared = all(r["declared"] for r in reports)
+    memory_plans = None
+    if cfg.memory.active:  # the balancer sees each device's planned (recompute/offload) step
+        memory_plans = _memory_planner(cfg, model, device, memory, run_dir)
     tm, facts = probe(model, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
-                      Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label)
+                      Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
+                      memory_plans)
     gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "facts": facts})
     infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"], TimeModel(g["points"], g["max_micro"]))
              for r, g in zip(reports, gathered)]

@@ -65,15 +65,31 @@ def probe(
     steps: int = 2,
     declared_speed: float | None = None,
     device_label: str = "device",
+    memory_plans=None,
 ) -> tuple[TimeModel, dict]:
-    """Time model and memory facts of this rank. The model's parameters are left unchanged."""
+    """Time model and memory facts of this rank. The model's parameters are left unchanged.
+
+    With `memory_plans` (micro-batch -> DevicePlan, or the PlanError saying why none fits), a
+    micro-batch fits when the memory planner finds a plan for it, and it is timed with that plan
+    applied: a device short of memory gets a smaller share and pays its recomputation in the
+    balanced step time."""
     n_params = sum(p.numel() for p in model.parameters())
     static = STATIC_BYTES_PER_PARAM * n_params
     act = saved_bytes_per_sample(model, seq_len, vocab, device, autocast)
+    plans: dict = {}
+
+    def plan_at(b: int):
+        if b not in plans:
+            plans[b] = memory_plans(b)
+        return plans[b]
 
     def fits(b: int) -> bool:
+        if memory_plans is not None:
+            return not isinstance(plan_at(b), Exception)
         return memory_bytes is None or static + WORKSPACE_MARGIN * act * b <= memory_bytes
 
+    if memory_plans is not None and not fits(1):
+        raise BalanceError(f"{device_label}: {plan_at(1)}")
     if not fits(1):
         need = (static + WORKSPACE_MARGIN * act) / 2**30
         raise BalanceError(
@@ -81,7 +97,16 @@ def probe(
             f"at micro-batch 1 ({static / 2**30:.2f} GiB weights+gradients+optimizer state, "
             f"{act * WORKSPACE_MARGIN / 2**30:.2f} GiB activations); use a smaller model or more memory"
         )
-    limit = max(b for b in range(1, max_micro + 1) if fits(b)) if max_micro > 1 else 1
+    if memory_plans is not None:  # planning is a solve per size: search the powers of two, then bisect
+        limit, hi = 1, 2
+        while hi <= max_micro and fits(hi):
+            limit, hi = hi, hi * 2
+        hi = min(hi, max_micro + 1)
+        while hi - limit > 1:
+            mid = (limit + hi) // 2
+            limit, hi = (mid, hi) if fits(mid) else (limit, mid)
+    else:
+        limit = max(b for b in range(1, max_micro + 1) if fits(b)) if max_micro > 1 else 1
     facts = {"static_bytes": static, "activation_bytes_per_sample": act, "max_micro": limit}
     sizes = [b for b in candidate_sizes(max_micro) if b <= limit]
     if limit not in sizes:
@@ -97,6 +122,10 @@ def probe(
     for b in sizes:
         x = torch.randint(0, vocab, (b, seq_len + 1), generator=gen).to(device)
         times = []
+        if memory_plans is not None:
+            from hetforge.memory.executor import apply_plan
+
+            apply_plan(model, plan_at(b).plan)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for i in range(steps + 1):  # first is warm-up
@@ -115,9 +144,13 @@ def probe(
             if i:
                 times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
+        if memory_plans is not None:
+            apply_plan(model, None)
         if device.type == "cuda":
             peak = max(peak, torch.cuda.max_memory_allocated(device))
         points.append((b, statistics.median(times)))
     model.train(was_training)
     facts["measured_peak_bytes"] = peak or None
+    if memory_plans is not None:
+        facts["memory_plans"] = {b: plan_at(b).plan.options for b in sizes}
     return TimeModel(points, limit), facts

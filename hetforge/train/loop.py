@@ -193,6 +193,31 @@ def train(
             shutdown()
 
 
+def _apply_memory_plan(cfg, ctx, model, model_cfg, precision, device, plan, run_dir, say):
+    """Plan this rank's activations for the micro-batch it was given (and install the plan)."""
+    if not cfg.memory.active:
+        return None
+    from hetforge.cluster.spec import device_memory_bytes
+    from hetforge.memory.device_plan import plan_device, resolve_budget
+    from hetforge.memory.executor import apply_plan
+    from hetforge.memory.plan import format_bytes
+    from hetforge.memory.verify import PlanCheck
+
+    micro = plan.shares[ctx.rank].micro_batch_size or 1
+    budget = resolve_budget(cfg.memory, device_memory_bytes(rank_device(cfg.cluster, ctx), device))
+    dp = plan_device(model_cfg, cfg.memory, cfg.train.seq_len, precision.name, device, micro, budget,
+                     cfg.train.optimizer, cache_dir=run_dir / "memory")
+    runner = apply_plan(model, dp.plan)
+    p = dp.prediction
+    msg = (f"rank {ctx.rank} memory plan ({dp.plan.strategy}, budget "
+           f"{format_bytes(budget) if budget else 'none'}, micro-batch {micro}): {dp.summary()} | predicted peak "
+           f"{format_bytes(p.peak_bytes)}, activations held {format_bytes(p.held_bytes)}, step "
+           f"{p.time_s * 1e3:.1f} ms ({p.time_s / dp.keep_all.time_s:.3f}x keep-all)")
+    if ctx.is_main:
+        say(msg)
+    return PlanCheck(dp, runner, device, cfg.memory.verify_tolerance)
+
+
 def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, stop_after: int | None,
            plan_only: bool) -> TrainResult:
     tc = cfg.train
@@ -256,6 +281,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
         watch = False
     monitor = DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window) if watch else None
     slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # None (no slowdown) when the cluster is not described
+    check = _apply_memory_plan(cfg, ctx, model, model_cfg, precision, device, plan, run_dir, say)
     net, clock = model, None
     if ctx.distributed:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -330,10 +356,17 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             mine = plan.micro_positions(ctx.rank, consumed)
+            checking = check is not None and check.before(steps_this_call)
             step_loss, compute_s = backward_share(
                 net, train_samples, order, mine, consumed, tokens_per_step, ctx.world_size, precision, scaler,
                 device, after_forward=lambda seconds: slowdown.after_forward(seconds, step), clock=clock,
             )
+            if checking:
+                record, warnings = check.after(compute_s, sum(len(m) for m in mine))
+                for w in warnings:
+                    warn(f"rank {ctx.rank}: {w}")
+                if ctx.is_main:
+                    logger.log("event", step + 1, record)
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
             scaler.step(optimizer)  # skipped (and the scale halved) if fp16 gradients overflowed
