@@ -57,18 +57,14 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
 
 
 def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path):
-    from hetforge.memory.device_plan import plan_device, resolve_budget
+    from hetforge.memory.device_plan import plan_for_config
     from hetforge.memory.milp import PlanError
-    from hetforge.train.precision import resolve_precision
 
     core = getattr(model, "module", model)
-    budget = resolve_budget(cfg.memory, memory)
-    precision = resolve_precision(cfg.train.precision, device)
 
     def at(b: int):
         try:
-            return plan_device(core.cfg, cfg.memory, cfg.train.seq_len, precision, device, b, budget,
-                               cfg.train.optimizer, cache_dir=run_dir / "memory")
+            return plan_for_config(cfg, core.cfg, device, b, memory, run_dir / "memory")
         except PlanError as err:
             return err
 

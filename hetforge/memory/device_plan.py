@@ -63,6 +63,16 @@ def plan_device(
     return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof)
 
 
+def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,
+                    device_memory: float | None, cache_dir: Path | None) -> DevicePlan:
+    """`plan_device` with the budget, precision and optimizer a run config gives for this device."""
+    from hetforge.train.precision import resolve_precision
+
+    return plan_device(model_cfg, cfg.memory, cfg.train.seq_len, resolve_precision(cfg.train.precision, device),
+                       device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer,
+                       cache_dir)
+
+
 def feasible_plans(
     model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, sizes: list[int],
     budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,

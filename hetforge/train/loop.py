@@ -193,20 +193,20 @@ def train(
             shutdown()
 
 
-def _apply_memory_plan(cfg, ctx, model, model_cfg, precision, device, plan, run_dir, say):
+def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
     """Plan this rank's activations for the micro-batch it was given (and install the plan)."""
     if not cfg.memory.active:
         return None
     from hetforge.cluster.spec import device_memory_bytes
-    from hetforge.memory.device_plan import plan_device, resolve_budget
+    from hetforge.memory.device_plan import plan_for_config
     from hetforge.memory.executor import apply_plan
     from hetforge.memory.plan import format_bytes
     from hetforge.memory.verify import PlanCheck
 
     micro = plan.shares[ctx.rank].micro_batch_size or 1
-    budget = resolve_budget(cfg.memory, device_memory_bytes(rank_device(cfg.cluster, ctx), device))
-    dp = plan_device(model_cfg, cfg.memory, cfg.train.seq_len, precision.name, device, micro, budget,
-                     cfg.train.optimizer, cache_dir=run_dir / "memory")
+    dp = plan_for_config(cfg, model_cfg, device, micro, device_memory_bytes(rank_device(cfg.cluster, ctx), device),
+                         run_dir / "memory")
+    budget = dp.budget
     runner = apply_plan(model, dp.plan)
     p = dp.prediction
     msg = (f"rank {ctx.rank} memory plan ({dp.plan.strategy}, budget "
@@ -281,7 +281,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
         watch = False
     monitor = DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window) if watch else None
     slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # None (no slowdown) when the cluster is not described
-    check = _apply_memory_plan(cfg, ctx, model, model_cfg, precision, device, plan, run_dir, say)
+    check = _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say)
     net, clock = model, None
     if ctx.distributed:
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -362,7 +362,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                 device, after_forward=lambda seconds: slowdown.after_forward(seconds, step), clock=clock,
             )
             if checking:
-                record, warnings = check.after(compute_s, sum(len(m) for m in mine))
+                record, warnings = check.after(compute_s, sum(n for _, n in mine))
                 for w in warnings:
                     warn(f"rank {ctx.rank}: {w}")
                 if ctx.is_main:
