@@ -133,9 +133,9 @@ def cmd_balance(args) -> int:
 def cmd_plan(args) -> int:
     from hetforge.config import load_config
     from hetforge.console import console
-    from hetforge.memory.device_plan import feasible_plans, plan_device, resolve_budget
+    from hetforge.cluster.spec import device_memory_bytes
+    from hetforge.memory.device_plan import plan_device, resolve_budget
     from hetforge.memory.milp import baselines
-    from hetforge.memory.plan import format_bytes, parse_size
     from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
                                         save_plan, tensors_table)
     from hetforge.model.gpt_neox import GPTNeoXConfig
@@ -149,7 +149,7 @@ def cmd_plan(args) -> int:
     if args.granularity:
         overrides.append(f"memory.granularity={args.granularity}")
     cfg = load_config(args.config, overrides)
-    device = resolve_device(args.device) if args.device in ("auto", "cpu", "cuda") else torch_device(args.device)
+    device = resolve_device(args.device)
     precision = resolve_precision(cfg.train.precision, device)
     model_cfg = GPTNeoXConfig.from_model_config(cfg.model, cfg.model.vocab_size or cfg.data.tokenizer.vocab_size)
     seq, micro = cfg.train.seq_len, args.micro_batch or cfg.train.micro_batch_size
@@ -157,11 +157,7 @@ def cmd_plan(args) -> int:
     mem = cfg.memory
     if args.cluster:
         return _plan_cluster(args.cluster, cfg, model_cfg, precision, device, out)
-    budget = resolve_budget(mem, None)
-    if mem.budget == "auto":
-        from hetforge.cluster.spec import device_memory_bytes
-
-        budget = device_memory_bytes(None, device)
+    budget = resolve_budget(mem, device_memory_bytes(None, device))
     console.print(f"profiling {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch {micro} x {seq} "
                   f"tokens, {precision} on {device} ...")
     dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer)
@@ -186,17 +182,11 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def torch_device(name: str):
-    import torch
-
-    return torch.device(name)
-
-
 def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> int:
     from rich.table import Table
 
     from hetforge.cluster.probe import candidate_sizes
-    from hetforge.config import ClusterConfig
+    from hetforge.config import ClusterConfig, ConfigError
     from hetforge.console import console
     from hetforge.memory.device_plan import feasible_plans
     from hetforge.memory.milp import PlanError
@@ -204,11 +194,10 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     from hetforge.cluster.spec import cluster_nodes
 
     nodes = cluster_nodes(ClusterConfig(file=path))
-    kinds = {}
+    kinds: dict[tuple, int] = {}
     for node in nodes:
         for d in node.devices:
-            kinds.setdefault((d.type, d.memory_gb, d.speed), 0)
-            kinds[(d.type, d.memory_gb, d.speed)] += d.count
+            kinds[(d.type, d.memory_gb, d.speed)] = kinds.get((d.type, d.memory_gb, d.speed), 0) + d.count
     t = Table(title=f"per-device memory plans for {cfg.name} (seq {cfg.train.seq_len}, {precision}; times "
                     f"profiled on {device}, divided by the declared speed)")
     for col in ("device", "count", "memory", "micro-batch", "plan", "predicted peak", "step ms", "samples/s"):
@@ -216,9 +205,9 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     rows = []
     for (kind, mem_gb, speed), count in kinds.items():
         if mem_gb is None:
-            raise ValueError(f"cluster device {kind!r} needs memory_gb for planning without it")
+            raise ConfigError(f"{path}: device {kind!r} needs memory_gb: the plan is made for its memory")
         budget = mem_gb * 2**30
-        res = feasible_plans(model_cfg, cfg.memory.model_copy(update={"budget": budget}), cfg.train.seq_len,
+        res = feasible_plans(model_cfg, cfg.memory, cfg.train.seq_len,
                              precision, device, candidate_sizes(cfg.train.micro_batch_size), budget,
                              cfg.train.optimizer, speed=speed or 1.0)
         ok = {b: dp for b, dp in res.items() if not isinstance(dp, PlanError)}

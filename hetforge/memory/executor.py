@@ -10,7 +10,6 @@ host bytes per storage (views share one) and so measures what the plan holds.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -24,7 +23,7 @@ class _Saved:
     """What autograd stores instead of a tensor; its release (end of that node's backward) is what
     frees the bytes in the ledger."""
 
-    __slots__ = ("ledger", "key", "tensor", "host", "device", "block", "event", "nbytes", "__weakref__")
+    __slots__ = ("ledger", "key", "tensor", "host", "device", "event", "nbytes", "__weakref__")
 
     def __del__(self):
         try:
@@ -82,10 +81,9 @@ class ActivationLedger:
 class PlanRunner:
     """The model's `block_runner` under a plan (see `GPTNeoX.forward`)."""
 
-    def __init__(self, plan: Plan, params: set[int], ledger: ActivationLedger | None = None):
+    def __init__(self, plan: Plan, params: set[int]):
         self.plan = plan
-        self.ledger = ledger or ActivationLedger(params=params)
-        self.ledger.params = params
+        self.ledger = ActivationLedger(params=params)
         self.modes = [OPTIONS[o] for o in plan.options]
         self.segments = {s: e for s, e in (plan.segments or [])}
         self._mode = "keep"
@@ -96,7 +94,7 @@ class PlanRunner:
     # --- saved-tensor hooks ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
         s = _Saved()
-        s.ledger, s.block, s.host, s.event, s.nbytes = self.ledger, self._block, None, None, 0
+        s.ledger, s.host, s.event, s.nbytes = self.ledger, None, None, 0
         s.device = t.device
         if self._mode == "offload" and t.untyped_storage().data_ptr() not in self.ledger.params:
             s.key = None
@@ -208,12 +206,3 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None) -> PlanRunner | None:
     runner = PlanRunner(plan, parameter_storages(core))
     core.block_runner = runner
     return runner
-
-
-@contextlib.contextmanager
-def planned(model: torch.nn.Module, plan: Plan | None):
-    runner = apply_plan(model, plan)
-    try:
-        yield runner
-    finally:
-        apply_plan(model, None)

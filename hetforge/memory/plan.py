@@ -91,12 +91,6 @@ class ModelProfile:
         rest = {k: v for k, v in d.items() if k != "blocks"}
         return cls(blocks=blocks, **rest)
 
-    def with_blocks(self, n: int) -> "ModelProfile":
-        """The same profile at another depth (blocks are identical): for solve-time studies."""
-        reps = [self.blocks[i % len(self.blocks)] for i in range(n)]
-        return ModelProfile(reps, dict(self.static), self.head_fwd_s, self.head_bwd_s, self.head_held,
-                            self.head_peak, self.link_bytes_per_s, dict(self.meta, n_layers=n))
-
 
 @dataclass
 class Plan:

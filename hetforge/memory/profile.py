@@ -12,6 +12,7 @@ they are the held tensors plus the block's output and gradient buffers. Profiles
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import statistics
@@ -25,6 +26,7 @@ from hetforge.memory.executor import ActivationLedger, PlanRunner, parameter_sto
 from hetforge.memory.plan import OPTIONS, BlockProfile, ModelProfile, OptionCost, Plan
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.presets import count_parameters
+from hetforge.train.precision import DTYPES, Precision
 
 DEFAULT_CPU_LINK = 12e9  # bytes/s: a PCIe 3.0 x16 link as GPUs of the legacy class see it
 OPTIMIZER_BYTES = {"adamw": 8, "lamb": 8, "sgd": 0}
@@ -72,8 +74,6 @@ def _cache_key(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, d
 
 
 def _autocast(precision: str, device: torch.device):
-    from hetforge.train.precision import Precision
-
     return Precision(precision, device).autocast()
 
 
@@ -107,8 +107,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     rot = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base).to(device)
     cos, sin = rot.cos_sin(seq, device)
     params = parameter_storages(block)
-    act_dtype = torch.float32 if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=act_dtype)
+    x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
     grad = torch.randn_like(x0)
     a = x0.numel() * x0.element_size()
     ac = lambda: _autocast(precision, device)  # noqa: E731
@@ -134,8 +133,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         block.zero_grad(set_to_none=True)
         return held, host, fpk, bpk, runner.ledger.tensors
 
-    _, _, _, _, tensors = run("keep", record=True)
-    full = run("keep")[0]
+    full, _, _, _, tensors = run("keep", record=True)
 
     def fwd_only(fn):
         def go():
@@ -145,7 +143,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         return go
 
     t_attn = _timed(fwd_only(lambda x: block.attn_branch(x, cos, sin)), device, repeats)
-    t_mlp = _timed(fwd_only(lambda x: block.mlp_branch(x if cfg.parallel_residual else x + 0)), device, repeats)
+    t_mlp = _timed(fwd_only(block.mlp_branch), device, repeats)
 
     def fwd_bwd():
         x = x0.detach().requires_grad_(True)
@@ -183,8 +181,7 @@ def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str,
     emb = torch.nn.Embedding(cfg.vocab_size, cfg.d_model).to(device)
     params = parameter_storages(norm) | parameter_storages(out) | parameter_storages(emb)
     idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), device=device)
-    act_dtype = torch.float32 if precision == "fp32" else {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=act_dtype)
+    x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
     ledger = ActivationLedger(params=params)
 
     def pack(t):
@@ -193,7 +190,7 @@ def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str,
 
     def step(measure=False):
         x = x0.detach().requires_grad_(True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else _null():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else contextlib.nullcontext():
             with _autocast(precision, device):
                 e = emb(idx[:, :-1])
                 logits = out(norm(x + e.to(x.dtype)))
@@ -256,11 +253,3 @@ def profile_model(
         tmp.write_text(json.dumps(prof.to_dict()))
         tmp.replace(path)
     return prof
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False

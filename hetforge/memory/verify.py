@@ -42,14 +42,13 @@ class PlanCheck:
             rec["predicted_peak_bytes"] = pred.peak_bytes
             rec["measured_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         warnings = []
-        for what in ("held", "step", "peak"):
-            p, m = rec.get(f"predicted_{what}_bytes", rec.get(f"predicted_{what}_s")), \
-                rec.get(f"measured_{what}_bytes", rec.get(f"measured_{what}_s"))
+        for what, key in (("held activation memory", "held_bytes"), ("step time", "step_s"),
+                          ("peak memory", "peak_bytes")):
+            p, m = rec.get(f"predicted_{key}"), rec.get(f"measured_{key}")
             if p is None or m is None or p <= 0:
                 continue
-            rec[f"{what}_ratio"] = m / p
+            rec[f"{key.rsplit('_', 1)[0]}_ratio"] = m / p
             if abs(m / p - 1) > self.tol:
-                warnings.append(f"memory plan: measured {what} {'time' if what == 'step' else 'memory'} is "
-                                f"{m / p:.2f}x the prediction (tolerance {self.tol:.0%}); re-profile with "
-                                "`hetforge plan` on this device")
+                warnings.append(f"memory plan: measured {what} is {m / p:.2f}x the prediction (tolerance "
+                                f"{self.tol:.0%}); re-profile with `hetforge plan` on this device")
         return rec, warnings
