@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="profile on this torch device: cpu, cuda, cuda:1, auto")
     p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
     p.add_argument("--strategy", default=None, choices=["milp", "none", "full", "sqrt", "recompute-only"])
-    p.add_argument("--granularity", default=None, choices=["block", "sublayer"])
+    p.add_argument("--granularity", default=None, choices=["block", "sublayer", "tensor"],
+                   help="decide per block, per branch, or per saved tensor / op output (default: memory.granularity)")
     p.add_argument("--cluster", default=None, metavar="FILE",
                    help="a cluster YAML (nodes: ...): plan every device type at its memory and micro-batch")
     p.add_argument("--out", default=None, help="directory for plan.json and the PNG (default RUN_DIR/memory)")
@@ -137,7 +138,7 @@ def cmd_plan(args) -> int:
     from hetforge.memory.device_plan import plan_device, resolve_budget
     from hetforge.memory.milp import baselines
     from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
-                                        save_plan, tensors_table)
+                                        save_plan, tensors_table, units_table)
     from hetforge.model.gpt_neox import GPTNeoXConfig
     from hetforge.train.precision import resolve_device, resolve_precision
 
@@ -163,6 +164,7 @@ def cmd_plan(args) -> int:
     dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer)
     prof = dp.profile
     console.print(tensors_table(prof))
+    console.print(units_table(prof))
     console.print(decisions_table(dp.plan, prof))
     console.print(breakdown_table(dp.prediction, budget))
     if budget is not None:
@@ -183,6 +185,7 @@ def cmd_plan(args) -> int:
 
 
 def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     from hetforge.cluster.probe import candidate_sizes
@@ -219,7 +222,7 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
         dp = ok[b]
         rows.append({"device": kind, "micro_batch": b, "options": dp.plan.options,
                      "peak_bytes": dp.prediction.peak_bytes, "time_s": dp.prediction.time_s})
-        t.add_row(kind, str(count), f"{mem_gb:g} GB", str(b), dp.summary(), format_bytes(dp.prediction.peak_bytes),
+        t.add_row(kind, str(count), f"{mem_gb:g} GB", str(b), escape(dp.summary()), format_bytes(dp.prediction.peak_bytes),
                   f"{dp.prediction.time_s * 1e3:.2f}", f"{b / dp.prediction.time_s:.1f}")
     console.print(t)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,93 +1,124 @@
 """The planner against enumeration and its own invariants, on synthetic profiles (no torch)."""
 
+import copy
+import itertools
 import random
 
 import pytest
 
-from hetforge.memory.milp import PlanError, baselines, brute_force, minimum_budget, solve
-from hetforge.memory.plan import MENUS, BlockProfile, ModelProfile, OptionCost, Plan, simulate
+from hetforge.memory.milp import PlanError, TensorMenu, baselines, brute_force, menu_for, minimum_budget, solve
+from hetforge.memory.plan import (MENUS, OPTIONS, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
+                                  simulate)
 
 MB = 2.0**20
 
 
-def synthetic(n: int, seed: int, link_mb_s: float = 2000.0) -> ModelProfile:
-    """Random but physically shaped blocks: keep holds S, recompute holds the input and costs the
-    forward, offload holds nothing and moves S over the link."""
-    rng = random.Random(seed)
-    blocks = []
-    for _ in range(n):
-        a = rng.uniform(1, 4) * MB
-        s_attn, s_mlp = rng.uniform(2, 8) * MB, rng.uniform(4, 12) * MB
-        f_attn, f_mlp = rng.uniform(0.5, 2) * 1e-3, rng.uniform(0.5, 3) * 1e-3
-        fwd, bwd = f_attn + f_mlp, 2 * (f_attn + f_mlp)
-        full = a + s_attn + s_mlp
-        opts = {}
-        for name in MENUS["sublayer"]:
-            from hetforge.memory.plan import OPTIONS
+def synthetic_block(rng: random.Random, units_per_branch: int = 2) -> BlockProfile:
+    """Random but physically shaped: each branch saves some units (keep or offload them) and has as
+    many op units (cache or recompute them); recomputing a whole branch lowers its own peaks."""
+    a = rng.uniform(1, 4) * MB
+    units = [Unit("x", "input", a, a, users=("attn", "mlp"))]
+    fwd = 0.0
+    full = a
+    for br in ("attn", "mlp"):
+        for k in range(units_per_branch):
+            s = rng.uniform(2, 10) * MB
+            units.append(Unit(f"{br}.s{k}", "saved", s, s * rng.uniform(0.7, 1.0)))
+            t = rng.uniform(0.2, 2) * 1e-3
+            units.append(Unit(f"{br}.o{k}", "op", s * rng.uniform(0.8, 1.5), time_s=t))
+            full += s
+            fwd += t
+    peaks = {}
+    for am in ("keep", "recompute"):
+        for mm in ("keep", "recompute"):
+            cut = (0.3 if am == "recompute" else 0.0) + (0.4 if mm == "recompute" else 0.0)
+            peaks[f"{am}/{mm}"] = [full * (1 - cut) + a, full * (1 - cut) + 2 * a]
+    return BlockProfile(fwd, 2 * fwd, a, units, peaks)
 
-            am, mm = OPTIONS[name]
-            held = (a if "offload" != am or "offload" != mm else 0.0)
-            held += (s_attn if am == "keep" else 0.0) + (s_mlp if mm == "keep" else 0.0)
-            host = (s_attn if am == "offload" else 0.0) + (s_mlp if mm == "offload" else 0.0)
-            host += a if am == mm == "offload" else 0.0
-            rec = (f_attn if am == "recompute" else 0.0) + (f_mlp if mm == "recompute" else 0.0)
-            opts[name] = OptionCost(held, host, full + a, full + 2 * a, rec)
-        blocks.append(BlockProfile(fwd, bwd, a, opts))
+
+def synthetic(n: int, seed: int, link_mb_s: float = 2000.0, units_per_branch: int = 2) -> ModelProfile:
+    rng = random.Random(seed)
+    blocks = [synthetic_block(rng, units_per_branch) for _ in range(n)]
     return ModelProfile(blocks, {"weights": 20 * MB, "gradients": 20 * MB, "optimizer state": 40 * MB},
                         1e-3, 2e-3, 10 * MB, 20 * MB, link_mb_s * MB)
 
 
+def budget_between(prof: ModelProfile, menu, frac: float) -> float:
+    n = len(prof.blocks)
+    keep = simulate(prof, Plan(["keep"] * n)).peak_bytes
+    lo = minimum_budget(prof, menu)
+    return lo + frac * (keep - lo)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("frac", [0.95, 0.6, 0.3])
-def test_milp_equals_brute_force(seed, frac):
+def test_block_milp_equals_brute_force(seed, frac):
     n = 10 if seed == 0 else 8
     prof = synthetic(n, seed, link_mb_s=[500.0, 3000.0, 20000.0][seed])
-    keep = simulate(prof, Plan(["keep"] * n)).peak_bytes
-    lo = minimum_budget(prof, MENUS["block"])
-    budget = lo + frac * (keep - lo)
-    best = brute_force(prof, budget, MENUS["block"])
-    plan = solve(prof, budget, MENUS["block"], gap=0.0)
+    menu = MENUS["block"]
+    budget = budget_between(prof, menu, frac)
+    best = brute_force(prof, budget, menu)
+    plan = solve(prof, budget, menu, gap=0.0)
     pred = simulate(prof, plan)
     assert pred.peak_bytes <= budget * (1 + 1e-9)
     assert best is not None
     assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.parametrize("frac", [0.8, 0.4, 0.1])
+def test_tensor_milp_equals_brute_force(seed, frac):
+    """Every decision of every unit of a 2-block chain (a few thousand plans)."""
+    prof = synthetic(2, seed, link_mb_s=[800.0, 5000.0][seed - 3], units_per_branch=2)
+    menu = TensorMenu()
+    assert len(menu.decisions(prof.blocks[0])) > 50
+    budget = budget_between(prof, menu, frac)
+    best = brute_force(prof, budget, menu)
+    plan = solve(prof, budget, menu, gap=0.0)
+    pred = simulate(prof, plan)
+    assert best is not None and pred.peak_bytes <= budget * (1 + 1e-9)
+    assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+
+
 def test_minimum_budget_is_the_brute_force_minimum():
     prof = synthetic(7, 5)
-    import itertools
-
     true_min = min(simulate(prof, Plan(list(c))).peak_bytes for c in itertools.product(MENUS["block"], repeat=7))
     assert minimum_budget(prof, MENUS["block"]) == pytest.approx(true_min, rel=1e-6)
 
 
-def test_monotonic_and_keep_all_and_recompute_only_never_faster():
+def test_monotonic_and_keep_all_and_baselines_never_faster():
     prof = synthetic(12, 3)
     keep = simulate(prof, Plan(["keep"] * 12))
-    lo = minimum_budget(prof, MENUS["sublayer"])
-    assert solve(prof, keep.peak_bytes).options == ["keep"] * 12
+    lo = minimum_budget(prof, TensorMenu())
+    assert solve(prof, keep.peak_bytes, TensorMenu(), gap=0.0).options == ["keep"] * 12
     last = None
     for frac in [1.0, 0.8, 0.6, 0.4, 0.2, 0.0]:
         budget = lo + frac * (keep.peak_bytes - lo)
-        t = simulate(prof, solve(prof, budget, gap=0.0)).time_s
+        t = simulate(prof, solve(prof, budget, TensorMenu(), gap=0.0)).time_s
         if last is not None:
-            assert t >= last - 1e-12  # smaller budget never faster
+            assert t >= last - 1e-12  # a smaller budget is never faster
         last = t
-        base = baselines(prof, budget)
-        for name, p in base.items():
+        for name, p in baselines(prof, budget, "tensor").items():
             if p is not None:
                 assert simulate(prof, p).time_s >= t - 1e-12, name
+        # a finer menu contains the coarser ones, so it is never slower
+        for g in ("block", "sublayer"):
+            try:
+                coarse = simulate(prof, solve(prof, budget, menu_for(g), gap=0.0)).time_s
+            except PlanError:
+                continue
+            assert coarse >= t - 1e-12, g
 
 
 def test_infeasible_budget_names_the_minimum():
     prof = synthetic(6, 4)
-    lo = minimum_budget(prof, MENUS["sublayer"])
+    lo = minimum_budget(prof, TensorMenu())
     with pytest.raises(PlanError, match="smallest feasible budget") as e:
-        solve(prof, lo * 0.98)
+        solve(prof, lo * 0.98, TensorMenu())
     assert f"{lo:.0f} bytes" in str(e.value)
-    assert solve(prof, lo * 1.0001) is not None
+    assert solve(prof, lo * 1.0001, TensorMenu()) is not None
     with pytest.raises(PlanError, match="weights \\+ gradients \\+ optimizer state"):
-        solve(prof, prof.static_bytes * 0.5)
+        solve(prof, prof.static_bytes * 0.5, TensorMenu())
 
 
 def test_sqrt_segments_hold_less_than_keep_all():
@@ -97,3 +128,36 @@ def test_sqrt_segments_hold_less_than_keep_all():
     assert sq.held_bytes == pytest.approx(sum(prof.blocks[i].input_bytes for i in (0, 3, 6)))
     assert sq.held_bytes < keep.held_bytes
     assert sq.time_s > keep.time_s
+
+
+def test_decisions_encode_and_name():
+    blk = synthetic(1, 7).blocks[0]
+    d = Decision(BranchPlan("keep", frozenset({"attn.s1"})), BranchPlan("recompute", frozenset({"mlp.o0"})),
+                 frozenset({"x"}))
+    text = d.encode()
+    assert text == "attn:keep-offload[s1] | mlp:recompute-cache[o0] | offload[x]"
+    assert Decision.parse(text) == d
+    # a named option written out unit by unit is recognised as that option
+    every = frozenset(u.name for u in blk.of("saved", "mlp"))
+    assert blk.name(Decision(BranchPlan("keep"), BranchPlan("keep", every))) == "offload-mlp"
+    assert blk.name(blk.decision("offload")) == "offload"
+    for o in OPTIONS:
+        assert blk.cost(blk.name(blk.decision(o))) == blk.cost(o)
+    # keep-all holds every unit; offloading everything holds none and moves it all
+    assert blk.cost("keep").held == pytest.approx(sum(u.bytes for u in blk.units if u.kind != "op"))
+    off = blk.cost("offload")
+    assert off.held == 0 and off.host == pytest.approx(sum(u.host_bytes for u in blk.units if u.kind != "op"))
+    with pytest.raises(ValueError, match="cannot read"):
+        blk.cost("attn:sometimes | mlp:keep")
+
+
+def test_tensor_solve_scales_to_deep_models():
+    """FORGE-l depth (48 blocks) and twice that, at the tightest and a middle budget."""
+    base = synthetic(1, 8, link_mb_s=300.0, units_per_branch=4)
+    for n in (48, 96):
+        prof = copy.copy(base)
+        prof.blocks = base.blocks * n
+        for frac in (0.5, 0.05):
+            plan = solve(prof, budget_between(prof, TensorMenu(), frac), TensorMenu(), time_limit_s=60, gap=0.01)
+            assert plan.solve["gap"] <= 0.01
+            assert plan.solve["seconds"] < 60

@@ -1,29 +1,82 @@
-"""Running a plan: each block branch is kept, recomputed (non-reentrant `torch.utils.checkpoint`) or
-offloaded (saved-tensor hooks that copy to host after the forward and prefetch one block ahead of
-the backward). Numerics are unchanged: the same ops run on the same values.
+"""Running a plan: per block and branch, keep or offload each saved unit (saved-tensor hooks that
+copy to the host after the forward and prefetch one block ahead of the backward), or recompute the
+branch (non-reentrant `torch.utils.checkpoint`) caching the op units the plan names (selective
+activation checkpointing). Numerics are unchanged: the same ops run on the same values.
 
 One `saved_tensors_hooks` pair wraps the block loop. Only the innermost hook fires, so inside a
-checkpointed branch it sees just the checkpoint's saved input, which is exactly what that branch
-keeps on the device. Every saved tensor passes through `ActivationLedger`, which counts device and
-host bytes per storage (views share one) and so measures what the plan holds.
+checkpointed branch it sees just the checkpoint's saved inputs, which is what that branch keeps on
+the device besides the outputs its policy caches. Every saved tensor and every cached output passes
+through `ActivationLedger`, which counts device and host bytes (per storage on the device, per view
+on the host: two saves of one view share one copy) and so measures what the plan holds.
+
+On the CPU an offloaded tensor's copy is held in NumPy memory, outside PyTorch's allocator, so the
+memory meter sees it leave as it would leave a GPU; the link itself is modelled by the planner.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hetforge.memory.plan import OPTIONS, Plan
+from hetforge.memory.plan import ALL, BRANCHES, Decision, Plan, resolve_option
+from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes, view_key
+
+
+class _HostCopy:
+    """One offloaded view: its host copy and, once prefetched, the device tensor. Only the saved
+    tensors that use it hold it, so it (and the fetched tensor) goes when their backward is done."""
+
+    __slots__ = ("host", "shape", "dtype", "device", "tensor", "event", "nbytes", "serial", "__weakref__")
+    _serials = itertools.count()
+
+    def __init__(self, t: torch.Tensor, stream):
+        self.serial = next(self._serials)  # storage addresses are reused once freed; this is not
+        self.shape, self.dtype, self.device, self.nbytes = t.shape, t.dtype, t.device, tensor_bytes(t)
+        self.tensor, self.event = None, None
+        if t.device.type == "cuda":
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                self.host.copy_(t, non_blocking=True)
+            t.record_stream(stream)
+        else:
+            self.host = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().copy()
+
+    def fetch(self, stream) -> None:
+        if self.tensor is not None:
+            return
+        if self.device.type == "cuda":
+            with torch.cuda.stream(stream):
+                self.tensor = self.host.to(self.device, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        else:
+            src = torch.from_numpy(self.host).view(self.dtype).view(self.shape)
+            self.tensor = torch.empty(self.shape, dtype=self.dtype).copy_(src)
+
+    def get(self) -> torch.Tensor:
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            self.tensor.record_stream(torch.cuda.current_stream(self.device))
+            self.event = None
+        return self.tensor
 
 
 class _Saved:
     """What autograd stores instead of a tensor; its release (end of that node's backward) is what
     frees the bytes in the ledger."""
 
-    __slots__ = ("ledger", "key", "tensor", "host", "device", "event", "nbytes", "__weakref__")
+    __slots__ = ("ledger", "key", "hkey", "tensor", "copy", "__weakref__")
+
+    def __init__(self, ledger: "ActivationLedger"):
+        self.ledger, self.key, self.hkey, self.tensor, self.copy = ledger, None, None, None, None
 
     def __del__(self):
         try:
@@ -43,127 +96,197 @@ class ActivationLedger:
     peak_device: int = 0
     peak_host: int = 0
     _refs: dict = field(default_factory=dict)
+    _host_refs: dict = field(default_factory=dict)
     tensors: list[dict] = field(default_factory=list)  # filled when `record` is on
     record: bool = False
-    label: str = ""
 
     def reset_peaks(self) -> None:
         self.peak_device, self.peak_host = self.device_bytes, self.host_bytes
 
-    def _hold_device(self, t: torch.Tensor) -> int | None:
-        st = t.untyped_storage()
-        key = st.data_ptr()
+    def hold_device(self, t: torch.Tensor) -> int | None:
+        key = storage_key(t)
         if key in self.params:
             return None
-        cnt, nb = self._refs.get(key, (0, st.nbytes()))
+        cnt, nb = self._refs.get(key, (0, t.untyped_storage().nbytes()))
         if cnt == 0:
             self.device_bytes += nb
             self.peak_device = max(self.peak_device, self.device_bytes)
-            if self.record:
-                self.tensors.append({"module": self.label, "shape": list(t.shape), "bytes": nb,
-                                     "dtype": str(t.dtype).replace("torch.", "")})
         self._refs[key] = (cnt + 1, nb)
         return key
 
+    def release_device(self, key: int) -> None:
+        cnt, nb = self._refs[key]
+        if cnt == 1:
+            del self._refs[key]
+            self.device_bytes -= nb
+        else:
+            self._refs[key] = (cnt - 1, nb)
+
+    def hold_host(self, hkey: int, nbytes: int) -> None:
+        cnt, _ = self._host_refs.get(hkey, (0, nbytes))
+        if cnt == 0:
+            self.host_bytes += nbytes
+            self.peak_host = max(self.peak_host, self.host_bytes)
+        self._host_refs[hkey] = (cnt + 1, nbytes)
+
     def _release(self, s: _Saved) -> None:
         if s.key is not None:
-            cnt, nb = self._refs[s.key]
+            self.release_device(s.key)
+            s.key = None
+        if s.hkey is not None:
+            cnt, nb = self._host_refs[s.hkey]
             if cnt == 1:
-                del self._refs[s.key]
-                self.device_bytes -= nb
+                del self._host_refs[s.hkey]
+                self.host_bytes -= nb
             else:
-                self._refs[s.key] = (cnt - 1, nb)
-        if s.host is not None:
-            self.host_bytes -= s.nbytes
-            s.host = None
+                self._host_refs[s.hkey] = (cnt - 1, nb)
+            s.hkey = None
+
+
+def input_users(parallel_residual: bool) -> dict[str, tuple[str, ...]]:
+    """The input units of a block and the branches that save them."""
+    return {"x": ("attn", "mlp")} if parallel_residual else {"x": ("attn",), "mlp.input": ("mlp",)}
+
+
+class _BlockState:
+    """Per block, per step: who owns each saved storage (its first saver decides for all), the
+    block's input storages, its host copies and the outputs its selective checkpoints cache.
+
+    Storages are known by address, and a freed address is soon reused: the offloaded tensors are
+    held (`alive`) until the block's forward ends, so no address changes hands while these maps are
+    read; the block's own forward peak includes them anyway."""
+
+    def __init__(self) -> None:
+        self.owner: dict[int, str] = {}
+        self.inputs: dict[int, str] = {}
+        self.copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.alive: list[torch.Tensor] = []
+        self.cached: list[int] = []
 
 
 class PlanRunner:
     """The model's `block_runner` under a plan (see `GPTNeoX.forward`)."""
 
-    def __init__(self, plan: Plan, params: set[int]):
+    def __init__(self, plan: Plan, params: set[int], parallel_residual: bool = True):
         self.plan = plan
         self.ledger = ActivationLedger(params=params)
-        self.modes = [OPTIONS[o] for o in plan.options]
+        self.labeller = Labeller()
+        users = input_users(parallel_residual)
+        self.decisions: list[Decision] = [resolve_option(o, users) for o in plan.options]
         self.segments = {s: e for s, e in (plan.segments or [])}
-        self._mode = "keep"
-        self._block = -1
-        self._offloaded: dict[int, list[_Saved]] = {}
         self.copy_stream = None
+        self._branch = None  # (block, branch name, mode) while a branch runs
+        self._state: dict[int, _BlockState] = {}
+        self._in_segment: set[int] = set()
+        self._handles: list = []  # the labeller's module hooks, removed when the plan is replaced
 
     # --- saved-tensor hooks ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        s = _Saved()
-        s.ledger, s.host, s.event, s.nbytes = self.ledger, None, None, 0
-        s.device = t.device
-        if self._mode == "offload" and t.untyped_storage().data_ptr() not in self.ledger.params:
-            s.key = None
-            s.tensor = None
-            s.nbytes = t.numel() * t.element_size()
-            if t.device.type == "cuda":
-                if self.copy_stream is None:
-                    self.copy_stream = torch.cuda.Stream(t.device)
-                self.copy_stream.wait_stream(torch.cuda.current_stream(t.device))
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                with torch.cuda.stream(self.copy_stream):
-                    host.copy_(t, non_blocking=True)
-                t.record_stream(self.copy_stream)
-            else:  # CPU: the "host" is a separate buffer; the link is modelled by the planner
-                host = t.detach().clone()
-            s.host = host
-            self.ledger.host_bytes += s.nbytes
-            self.ledger.peak_host = max(self.ledger.peak_host, self.ledger.host_bytes)
-            self._offloaded.setdefault(self._block, []).append(weakref.ref(s))
+        s = _Saved(self.ledger)
+        key = storage_key(t)
+        if key in self.ledger.params or self._branch is None:
+            s.tensor = t
             return s
-        s.key = self.ledger._hold_device(t)
+        block, branch, mode = self._branch
+        st = self._state[block]
+        unit = st.owner.setdefault(key, st.inputs.get(key) or self.labeller.saved_unit())
+        d = self.decisions[block]
+        if mode == "keep" and block not in self._in_segment:
+            bp = d.branch(branch)
+            offload = unit in d.offload_inputs if unit in st.inputs.values() else (ALL in bp.units or unit in bp.units)
+        else:
+            offload = False  # a checkpoint's own inputs stay: its recomputation starts from them
+        if self.ledger.record:
+            self.ledger.tensors.append({"unit": unit, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                                        "key": key, "bytes": t.untyped_storage().nbytes(), "view": view_key(t),
+                                        "view_bytes": tensor_bytes(t)})
+        if offload:
+            vk = view_key(t)
+            copy = st.copies.get(vk)
+            if copy is None:
+                if t.device.type == "cuda" and self.copy_stream is None:
+                    self.copy_stream = torch.cuda.Stream(t.device)
+                copy = st.copies[vk] = _HostCopy(t, self.copy_stream)
+                st.alive.append(t)
+            s.copy, s.hkey = copy, copy.serial
+            self.ledger.hold_host(copy.serial, copy.nbytes)
+            return s
+        s.key = self.ledger.hold_device(t)
         s.tensor = t
         return s
 
-    def _fetch(self, s: _Saved) -> None:
-        if s.tensor is not None or s.host is None:
-            return
-        if s.device.type == "cuda":
-            stream = self.copy_stream or torch.cuda.current_stream(s.device)
-            with torch.cuda.stream(stream):
-                s.tensor = s.host.to(s.device, non_blocking=True)
-            s.event = torch.cuda.Event()
-            s.event.record(stream)
-        else:
-            s.tensor = s.host
-
     def _unpack(self, s: _Saved) -> torch.Tensor:
-        if s.tensor is None:
-            self._fetch(s)
-        if s.event is not None:
-            torch.cuda.current_stream(s.device).wait_event(s.event)
-            s.tensor.record_stream(torch.cuda.current_stream(s.device))
-            s.event = None
-        return s.tensor
+        if s.tensor is not None:
+            return s.tensor
+        s.copy.fetch(self._stream(s.copy.device))
+        return s.copy.get()
+
+    def _stream(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        return self.copy_stream or torch.cuda.current_stream(device)
 
     def _prefetch(self, block: int) -> None:
-        for ref in self._offloaded.pop(block, []):
-            s = ref()
-            if s is not None:
-                self._fetch(s)
+        st = self._state.get(block)
+        for copy in (list(st.copies.values()) if st else ()):
+            copy.fetch(self._stream(copy.device))
+
+    def _release_cached(self, block: int) -> None:
+        st = self._state.get(block)
+        while st and st.cached:
+            self.ledger.release_device(st.cached.pop())
+
+    # --- selective checkpointing: which op outputs a recomputed branch caches ----------------
+    def _policy(self, block: int, cached: frozenset, ctx, op, *args, **kwargs):
+        unit = self.labeller.op_unit(op)  # advances the labeller on every op, views included
+        if unit is None or unit not in cached or is_view_op(op):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if tensors and all(storage_key(a) in self.ledger.params for a in tensors):
+            return CheckpointPolicy.PREFER_RECOMPUTE  # a weight cast: cheap, and not an activation
+        for out in tree_leaves(ctx.op_output):
+            if isinstance(out, torch.Tensor):
+                if self.ledger.record:
+                    self.ledger.tensors.append({"unit": unit, "shape": list(out.shape), "cached": True,
+                                                "key": storage_key(out), "bytes": out.untyped_storage().nbytes()})
+                key = self.ledger.hold_device(out)
+                if key is not None:
+                    self._state[block].cached.append(key)
+        return CheckpointPolicy.MUST_SAVE
 
     # --- the block loop --------------------------------------------------------------------
     def _run_branch(self, block: int, name: str, fn, *args):
-        mode = self.modes[block][0 if name == "attn" else 1]
-        if block in self._in_segment:
-            mode = "keep"  # the segment's own checkpoint decides
-        prev = self._mode
-        self._mode, self._block = mode, block
-        self.ledger.label = f"{name}"
+        bp = self.decisions[block].branch(name)
+        mode = "keep" if block in self._in_segment else bp.mode
+        st = self._state[block]
+        if name == "mlp" and storage_key(args[0]) not in st.inputs:
+            st.inputs[storage_key(args[0])] = "mlp.input"  # sequential residual: x + attention
+        prev = self._branch
+        self._branch = (block, name, mode)
         try:
             if mode == "recompute" and torch.is_grad_enabled():
+                if bp.units:
+                    ctx = partial(create_selective_checkpoint_contexts, partial(self._policy, block, bp.units))
+                    return checkpoint(fn, *args, use_reentrant=False, context_fn=ctx)
                 return checkpoint(fn, *args, use_reentrant=False)
             return fn(*args)
         finally:
-            self._mode = prev
+            self._branch = prev
+
+    def _block(self, layers, i: int, x, cos, sin):
+        st = self._state[i] = _BlockState()
+        st.inputs[storage_key(x)] = "x"
+        d = self.decisions[i]
+        if x.requires_grad and any(d.branch(b).mode == "recompute" and d.branch(b).units for b in BRANCHES):
+            # the gradient of the block's input is complete once the block's backward is done
+            x.register_hook(lambda g, b=i: (self._release_cached(b), g)[1])
+        out = layers[i](x, cos, sin, run=lambda nm, f, *a, i=i: self._run_branch(i, nm, f, *a))
+        st.alive.clear()
+        return out
 
     def __call__(self, layers, x, cos, sin):
-        self._in_segment: set[int] = set()
-        self._offloaded = {}
+        self._state = {}
+        self._in_segment = set()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             i, n = 0, len(layers)
             while i < n:
@@ -173,21 +296,23 @@ class PlanRunner:
 
                     def seg(h, s=s, e=e):
                         for j in range(s, e):
-                            h = layers[j](h, cos, sin, run=lambda nm, f, *a, j=j: self._run_branch(j, nm, f, *a))
+                            h = self._block(layers, j, h, cos, sin)
                         return h
 
-                    self._mode, self._block = "keep", s
                     x = checkpoint(seg, x, use_reentrant=False) if torch.is_grad_enabled() else seg(x)
                     self._in_segment = set()
                     i = e
                     continue
-                x = layers[i](x, cos, sin, run=lambda nm, f, *a, i=i: self._run_branch(i, nm, f, *a))
-                if i > 0 and (i - 1) in self._offloaded and x.requires_grad:
+                x = self._block(layers, i, x, cos, sin)
+                if i > 0 and len(self._state[i - 1].copies) and x.requires_grad:
                     # B_i is about to start when this gradient arrives: bring block i-1 back now
                     x.register_hook(lambda g, b=i - 1: (self._prefetch(b), g)[1])
                 i += 1
-        self._mode, self._block = "keep", -1
+        self._branch = None
         return x
+
+    def install_labels(self, layers) -> list:
+        return [h for block in layers for h in self.labeller.install(block)]
 
 
 def parameter_storages(model: torch.nn.Module) -> set[int]:
@@ -198,11 +323,15 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None) -> PlanRunner | None:
     """Install `plan` on a hetforge GPTNeoX (or remove any plan with None). Returns the runner,
     whose ledger measures the saved-activation bytes of each step."""
     core = getattr(model, "module", model)
+    old = core.block_runner
+    for h in getattr(old, "_handles", []):
+        h.remove()
     if plan is None:
         core.block_runner = None
         return None
     if len(plan.options) != len(core.layers):
         raise ValueError(f"plan is for {len(plan.options)} blocks, the model has {len(core.layers)}")
-    runner = PlanRunner(plan, parameter_storages(core))
+    runner = PlanRunner(plan, parameter_storages(core), core.cfg.parallel_residual)
+    runner._handles = runner.install_labels(core.layers)
     core.block_runner = runner
     return runner

@@ -1,8 +1,9 @@
 """Choosing a plan: the HiGHS mixed-integer program, the baselines it must beat, and brute force.
 
 The MILP mirrors `plan.simulate` exactly, so its optimum is the optimum of the simulator over the
-menu (the tests check this against enumeration of every plan). Per block one binary per option;
-a continuous running sum of held bytes (so each stage's memory row has O(menu) terms, not O(n));
+menu (the tests check this against enumeration of every plan). Per block either one binary per
+named option, or (granularity "tensor") binaries per branch, saved unit, op unit and input whose
+sums give the block's held bytes, host bytes and recompute time; a continuous running sum of held bytes (so each stage's memory row has O(menu) terms, not O(n));
 one continuous stall per stage, at least the overlapping transfer minus the stage's compute.
 Memory is in MiB and time in ms to keep the coefficients near 1.
 """
@@ -13,48 +14,180 @@ import itertools
 import time
 
 import highspy
+import numpy as np
 
-from hetforge.memory.plan import MENUS, RECOMPUTE_ONLY, ModelProfile, Plan, format_bytes, simulate, sqrt_segments
+from hetforge.memory.minimum import feasible_plan, minimum_peak
+from hetforge.memory.plan import (ALL, BRANCHES, MENUS, RECOMPUTE_ONLY, BlockProfile, BranchPlan, Decision, ModelProfile, Plan,
+                                  format_bytes, simulate, sqrt_segments)
 
 MIB = 2.0**20
 MS = 1e3
-TIE_MS_PER_MIB = 1e-7
+TIE_MS_PER_MIB = 1e-5
+TIE_MS_PER_REGION = 1e-5
 
 
 class PlanError(ValueError):
     """The budget cannot be met; the message states why and the smallest feasible budget."""
 
 
-def _build(profile: ModelProfile, menu: tuple[str, ...], budget: float | None):
-    """The model; with budget None, minimise the peak instead (the smallest feasible budget)."""
+class TensorMenu:
+    """Granularity "tensor": per branch keep or recompute; in a kept branch each saved unit on the
+    device or offloaded, in a recomputed one each op unit cached or recomputed; inputs offloadable.
+    `offload=False` is Checkmate's problem (recomputation only)."""
+
+    def __init__(self, offload: bool = True):
+        self.offload = offload
+
+    def __repr__(self) -> str:
+        return f"TensorMenu(offload={self.offload})"
+
+    def decisions(self, blk: BlockProfile) -> list[str]:
+        """Every distinct decision of one block (for brute force and the minimum-peak search)."""
+        def subsets(names):
+            return [frozenset(c) for k in range(len(names) + 1) for c in itertools.combinations(names, k)]
+
+        per_branch = {}
+        for br in BRANCHES:
+            keep = [BranchPlan("keep", u) for u in
+                    (subsets([u.name for u in blk.of("saved", br)]) if self.offload else [frozenset()])]
+            rec = [BranchPlan("recompute", u) for u in subsets([u.name for u in blk.of("op", br)])]
+            per_branch[br] = keep + rec
+        out = []
+        for a in per_branch["attn"]:
+            for m in per_branch["mlp"]:
+                keepers = {br for br, bp in (("attn", a), ("mlp", m)) if bp.mode == "keep"}
+                # an input is offloadable only where a kept branch saves it
+                movable = [u.name for u in blk.of("input") if keepers & set(u.users)] if self.offload else []
+                out.extend(Decision(a, m, x).encode() for x in subsets(movable))
+        return out
+
+
+Menu = tuple[str, ...] | TensorMenu
+
+
+def menu_for(granularity: str, recompute_only: bool = False) -> Menu:
+    if granularity == "tensor":
+        return TensorMenu(offload=not recompute_only)
+    menu = MENUS[granularity]
+    return tuple(o for o in menu if o in RECOMPUTE_ONLY) if recompute_only else menu
+
+
+def _c(coef: float, var):
+    """coef * var, or nothing where coef is rounding noise (HiGHS refuses a row holding |a| <= 1e-9)."""
+    return coef * var if abs(coef) > 1e-9 else 0.0
+
+
+def _option_terms(h: highspy.Highs, blk: BlockProfile, menu: tuple[str, ...]) -> dict:
+    """One binary per option; the block's held MiB, host MiB, recompute ms and own peaks in MiB as
+    linear expressions, and how to read the chosen option back."""
+    y = {o: h.addBinary() for o in menu}
+    h.addConstr(sum(y.values()) == 1)
+    cost = {o: blk.cost(o) for o in menu}
+
+    def lin(attr: str, scale: float):
+        return sum(_c(getattr(cost[o], attr) * scale, y[o]) for o in menu)
+
+    regions = [o for o in menu if "recompute" in (blk.decision(o).attn.mode, blk.decision(o).mlp.mode)]
+    return {"held": lin("held", 1 / MIB), "host": lin("host", 1 / MIB), "rec": lin("recompute_s", MS),
+            "fwd_peak": lin("fwd_peak", 1 / MIB), "bwd_peak": lin("bwd_peak", 1 / MIB),
+            "regions": sum(y[o] for o in regions), "extract": lambda: max(menu, key=lambda o: h.val(y[o])),
+            "assign": lambda option: [(y[o], float(o == option)) for o in menu]}
+
+
+def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict:
+    """Binaries per branch (recompute), per saved unit (offload), per op unit (cache), per input
+    (offload), and a continuous "input on the device" bounded below by every branch that needs it.
+    The own peaks depend on both branch modes: `both` is their product, made exact by three rows."""
+    r = {br: h.addBinary() for br in BRANCHES}
+    off, cache, ins = {}, {}, {}
+    held, host, rec, cached = 0.0, 0.0, 0.0, 0.0
+    for u in blk.of("saved"):
+        if menu.offload:
+            o = off[u.name] = h.addBinary()
+            h.addConstr(o + r[u.branch] <= 1)
+            held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch]) - _c(u.bytes / MIB, o)
+            host = host + _c(u.host_bytes / MIB, o)
+        else:
+            held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch])
+    for v in blk.of("op"):
+        c = cache[v.name] = h.addBinary()
+        h.addConstr(c - r[v.branch] <= 0)
+        cached = cached + _c(v.bytes / MIB, c)
+        rec = rec + _c(v.time_s * MS, r[v.branch]) - _c(v.time_s * MS, c)
+    for x in blk.of("input"):
+        on = h.addVariable(lb=0, ub=1)
+        o = h.addBinary() if menu.offload else None
+        if o is not None:
+            ins[x.name] = o
+        for b in x.users:
+            h.addConstr(on - r[b] >= 0)  # a recomputed branch holds its input
+            h.addConstr(on + r[b] + (o if o is not None else 0.0) >= 1)  # a kept branch saves it
+        if o is not None:
+            h.addConstr(o + sum(r[b] for b in x.users) <= len(x.users))  # offloaded only if saved
+            host = host + _c(x.host_bytes / MIB, o)
+        held = held + _c(x.bytes / MIB, on)
+    both = h.addVariable(lb=0, ub=1)
+    h.addConstr(both - r["attn"] - r["mlp"] >= -1)
+    h.addConstr(both - r["attn"] <= 0)
+    h.addConstr(both - r["mlp"] <= 0)
+
+    def peak(i: int):
+        p = {k: v[i] / MIB for k, v in blk.peaks.items()}
+        kk, rk, kr, rr = p["keep/keep"], p["recompute/keep"], p["keep/recompute"], p["recompute/recompute"]
+        return kk + _c(rk - kk, r["attn"]) + _c(kr - kk, r["mlp"]) + _c(rr - rk - kr + kk, both) + cached
+
+    def extract() -> str:
+        chosen = lambda d: frozenset(k for k, v in d.items() if h.val(v) > 0.5)  # noqa: E731
+        plans = {}
+        for br in BRANCHES:
+            if h.val(r[br]) > 0.5:
+                plans[br] = BranchPlan("recompute", frozenset(k for k in chosen(cache) if k.startswith(br + ".")))
+            else:
+                plans[br] = BranchPlan("keep", frozenset(k for k in chosen(off) if k.startswith(br + ".")))
+        return blk.name(Decision(plans["attn"], plans["mlp"], chosen(ins)))
+
+    def assign(option: str) -> list:
+        """The binaries' values for `option` (a start for the search)."""
+        d = blk.decision(option)
+        vals = []
+        for br in BRANCHES:
+            bp = d.branch(br)
+            vals.append((r[br], float(bp.mode == "recompute")))
+            for u in blk.of("saved", br):
+                if u.name in off:
+                    vals.append((off[u.name], float(bp.mode == "keep" and (ALL in bp.units or u.name in bp.units))))
+            for v in blk.of("op", br):
+                vals.append((cache[v.name], float(bp.mode == "recompute" and v.name in bp.units)))
+        keepers = {br for br in BRANCHES if d.branch(br).mode == "keep"}
+        for name, o in ins.items():
+            users = next(u.users for u in blk.of("input") if u.name == name)
+            vals.append((o, float(name in d.offload_inputs and bool(keepers & set(users)))))
+        return vals
+
+    return {"held": held + cached, "host": host, "rec": rec, "fwd_peak": peak(0), "bwd_peak": peak(1),
+            "regions": r["attn"] + r["mlp"], "extract": extract, "assign": assign}
+
+
+def _build(profile: ModelProfile, menu: Menu, budget: float):
+    """The model: least step time with every stage's memory within `budget`."""
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     blocks, n = profile.blocks, len(profile.blocks)
-    link = profile.link_bytes_per_s
-    y = [{o: h.addBinary() for o in menu} for _ in range(n)]
-    for i in range(n):
-        h.addConstr(sum(y[i].values()) == 1)
+    link_ms_per_mib = MIB / profile.link_bytes_per_s * MS
+    terms = [(_tensor_terms(h, b, menu) if isinstance(menu, TensorMenu) else _option_terms(h, b, menu))
+             for b in blocks]
+    held, host, rec = ([t[k] for t in terms] for k in ("held", "host", "rec"))
 
-    def lin(i: int, attr: str, scale: float):
-        return sum(getattr(blocks[i].options[o], attr) / scale * y[i][o] for o in menu)
-
-    def xfer_ms(i: int):
-        return sum(blocks[i].options[o].host / link * MS * y[i][o] for o in menu)
-
-    cap = h.addVariable(lb=0) if budget is None else None
-    limit = (budget - profile.static_bytes) / MIB if budget is not None else None
+    limit = (budget - profile.static_bytes) / MIB
     prefix = [0.0]  # held MiB by blocks < k
     for k in range(n):
         p = h.addVariable(lb=0)
-        h.addConstr(p == prefix[-1] + lin(k, "held", MIB))
+        h.addConstr(p == prefix[-1] + held[k])
         prefix.append(p)
 
     def mem_row(expr) -> None:
-        if cap is None:
-            h.addConstr(expr <= limit)
-        else:
-            h.addConstr(expr - cap <= 0)
+        h.addConstr(expr <= limit)
 
     stalls = []
 
@@ -64,26 +197,26 @@ def _build(profile: ModelProfile, menu: tuple[str, ...], budget: float | None):
         stalls.append(s)
 
     for k in range(n):
-        prev = lin(k - 1, "host", MIB) if k else 0.0
-        mem_row(prefix[k] + prev + lin(k, "fwd_peak", MIB))
+        prev = host[k - 1] if k else 0.0
+        mem_row(prefix[k] + prev + terms[k]["fwd_peak"])
         if k:
-            stall(xfer_ms(k - 1), blocks[k].fwd_s * MS)
+            stall(host[k - 1] * link_ms_per_mib, blocks[k].fwd_s * MS)
     if n:
-        mem_row(prefix[n] + lin(n - 1, "host", MIB) + profile.head_peak / MIB)
-        stall(xfer_ms(n - 1), (profile.head_fwd_s + profile.head_bwd_s) * MS)
+        mem_row(prefix[n] + host[n - 1] + profile.head_peak / MIB)
+        stall(host[n - 1] * link_ms_per_mib, (profile.head_fwd_s + profile.head_bwd_s) * MS)
     for k in range(n):
-        prev = lin(k - 1, "host", MIB) if k else 0.0
-        mem_row(prefix[k] + prev + lin(k, "bwd_peak", MIB))
+        prev = host[k - 1] if k else 0.0
+        mem_row(prefix[k] + prev + terms[k]["bwd_peak"])
         if k:
-            stall(xfer_ms(k - 1), blocks[k].bwd_s * MS + lin(k, "recompute_s", 1 / MS))
-    if cap is not None:
-        h.minimize(cap)
-    else:
-        rec = sum(lin(i, "recompute_s", 1 / MS) for i in range(n))
-        # On a tie in time prefer moving fewer bytes: a free offload still uses the link and host memory.
-        moved = sum(lin(i, "host", MIB) for i in range(n)) * TIE_MS_PER_MIB
-        h.minimize(rec + sum(stalls) + moved)
-    return h, y
+            stall(host[k - 1] * link_ms_per_mib, blocks[k].bwd_s * MS + rec[k])
+    # On a tie in time prefer moving fewer bytes (a free offload still uses the link and host memory)
+    # and fewer checkpointed regions (caching everything equals keeping it, at more cost).
+    tie = sum(host) * TIE_MS_PER_MIB + sum(t["regions"] for t in terms) * TIE_MS_PER_REGION
+    # The compute every plan pays is a constant offset: the MIP gap is then relative to the step.
+    compute = (sum(b.fwd_s + b.bwd_s for b in blocks) + profile.head_fwd_s + profile.head_bwd_s) * MS
+    # (setObjective, not minimize: highspy's minimize also solves, with no time limit)
+    h.setObjective(sum(rec) + sum(stalls) + tie + compute, highspy.ObjSense.kMinimize)
+    return h, terms
 
 
 def _run(h: highspy.Highs, time_limit_s: float, gap: float) -> tuple[str, float, float]:
@@ -100,24 +233,15 @@ def _has_solution(h: highspy.Highs) -> bool:
     return h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
 
 
-def minimum_budget(profile: ModelProfile, menu: tuple[str, ...], time_limit_s: float = 30.0) -> float:
-    """The smallest peak any plan on this menu reaches (bytes)."""
-    h, y = _build(profile, menu, None)
-    _run(h, time_limit_s, 1e-6)
-    if not _has_solution(h):
-        raise RuntimeError("HiGHS found no plan while minimising the peak")
-    return simulate(profile, _extract(h, y, menu, "min-memory")).peak_bytes
-
-
-def _extract(h, y, menu, strategy) -> Plan:
-    opts = [max(menu, key=lambda o: h.val(row[o])) for row in y]
-    return Plan(opts, strategy)
+def minimum_budget(profile: ModelProfile, menu: Menu) -> float:
+    """The smallest peak any plan on this menu reaches (bytes); exact, see `memory.minimum`."""
+    return minimum_peak(profile, menu)[0]
 
 
 def solve(
     profile: ModelProfile,
     budget: float,
-    menu: tuple[str, ...] = MENUS["sublayer"],
+    menu: Menu = MENUS["sublayer"],
     time_limit_s: float = 60.0,
     gap: float = 1e-3,
     strategy: str = "milp",
@@ -129,31 +253,39 @@ def solve(
             f"({format_bytes(profile.static_bytes)}); no activation plan can help: use more memory, a smaller "
             "model, or optimizer-state offload"
         )
-    h, y = _build(profile, menu, budget)
-    status, secs, mip_gap = _run(h, time_limit_s, gap)
-    if not _has_solution(h):
+    start = feasible_plan(profile, menu, budget)
+    if start is None:
         need = minimum_budget(profile, menu)
         raise PlanError(
             f"no {strategy} plan fits a budget of {format_bytes(budget)}: the smallest feasible budget for this "
             f"model, micro-batch and menu is {format_bytes(need)} ({need:.0f} bytes)"
         )
-    plan = _extract(h, y, menu, strategy)
+    h, terms = _build(profile, menu, budget)
+    # A feasible start (the chain search's): branch and bound prunes against it from the first node.
+    pairs = [pv for t, o in zip(terms, start.options) for pv in t["assign"](o)]
+    h.setSolution(len(pairs), np.array([v.index for v, _ in pairs], dtype=np.int32),
+                  np.array([x for _, x in pairs], dtype=np.float64))
+    status, secs, mip_gap = _run(h, time_limit_s, gap)
+    if not _has_solution(h):  # cannot happen with a valid start; kept as a guard
+        raise RuntimeError(f"HiGHS returned no plan ({status}) although a feasible one exists")
+    plan = Plan([t["extract"]() for t in terms], strategy)
     plan.solve = {"status": status, "seconds": secs, "gap": mip_gap, "variables": h.getNumCol(),
                   "constraints": h.getNumRow()}
     return plan
 
 
-def brute_force(profile: ModelProfile, budget: float, menu: tuple[str, ...]) -> tuple[float, Plan] | None:
+def brute_force(profile: ModelProfile, budget: float, menu: Menu) -> tuple[float, Plan] | None:
     """Every plan on the menu (|menu|^n of them): the reference for small chains."""
+    options = menu.decisions(profile.blocks[0]) if isinstance(menu, TensorMenu) else menu
     best = None
-    for combo in itertools.product(menu, repeat=len(profile.blocks)):
+    for combo in itertools.product(options, repeat=len(profile.blocks)):
         pred = simulate(profile, Plan(list(combo), "brute-force"))
         if pred.peak_bytes <= budget * (1 + 1e-9) and (best is None or pred.time_s < best[0]):
             best = (pred.time_s, Plan(list(combo), "brute-force"))
     return best
 
 
-def baselines(profile: ModelProfile, budget: float, granularity: str = "sublayer",
+def baselines(profile: ModelProfile, budget: float, granularity: str = "tensor",
               time_limit_s: float = 60.0) -> dict[str, Plan | None]:
     """The plans a user already has, on the same profile; None where one does not fit."""
     n = len(profile.blocks)
@@ -165,15 +297,15 @@ def baselines(profile: ModelProfile, budget: float, granularity: str = "sublayer
     for k, p in list(out.items()):
         if simulate(profile, p).peak_bytes > budget:
             out[k] = None
-    menu = tuple(o for o in MENUS[granularity] if o in RECOMPUTE_ONLY)
     try:
-        out["recompute-only MILP"] = solve(profile, budget, menu, time_limit_s, strategy="recompute-only")
+        out["recompute-only MILP"] = solve(profile, budget, menu_for(granularity, recompute_only=True),
+                                           time_limit_s, strategy="recompute-only")
     except PlanError:
         out["recompute-only MILP"] = None
     return out
 
 
-def plan_for_strategy(profile: ModelProfile, budget: float | None, strategy: str, granularity: str = "sublayer",
+def plan_for_strategy(profile: ModelProfile, budget: float | None, strategy: str, granularity: str = "tensor",
                       time_limit_s: float = 60.0) -> Plan:
     """The plan a config's `memory.strategy` asks for; fixed strategies are checked against the budget."""
     n = len(profile.blocks)
@@ -186,10 +318,8 @@ def plan_for_strategy(profile: ModelProfile, budget: float | None, strategy: str
     elif strategy in ("milp", "recompute-only"):
         if budget is None:
             return Plan(["keep"] * n, strategy, solve={"status": "no budget: keep all"})
-        menu = MENUS[granularity]
-        if strategy == "recompute-only":
-            menu = tuple(o for o in menu if o in RECOMPUTE_ONLY)
-        return solve(profile, budget, menu, time_limit_s, strategy=strategy)
+        return solve(profile, budget, menu_for(granularity, strategy == "recompute-only"), time_limit_s,
+                     strategy=strategy)
     else:
         raise ValueError(f"unknown memory strategy {strategy!r}")
     if budget is not None:

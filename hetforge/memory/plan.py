@@ -16,13 +16,14 @@ stage it overlaps stalls the step by the difference. This is the schedule the ex
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 
-MODES = ("keep", "recompute", "offload")
 BRANCHES = ("attn", "mlp")
 
-# Option name -> mode of the attention branch and of the MLP branch. The first three are the
-# block-level menu; the rest decide per branch (the tensors each sub-layer saves).
+# Named options: per branch (attention, MLP) keep everything, recompute it, or offload it. "block"
+# decides a whole block at once, "sublayer" each branch; "tensor" (not a list: see `Decision`)
+# decides every saved unit and every op unit on its own.
 OPTIONS: dict[str, tuple[str, str]] = {
     "keep": ("keep", "keep"),
     "recompute": ("recompute", "recompute"),
@@ -34,16 +35,94 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "offload-attn+recompute-mlp": ("offload", "recompute"),
     "recompute-attn+offload-mlp": ("recompute", "offload"),
 }
-MENUS = {
+MENUS: dict[str, tuple[str, ...]] = {
     "block": ("keep", "recompute", "offload"),
     "sublayer": tuple(OPTIONS),
 }
+GRANULARITIES = ("block", "sublayer", "tensor")
 RECOMPUTE_ONLY = ("keep", "recompute", "recompute-mlp", "recompute-attn")
+ALL = "*"  # "every saved unit of the branch"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One named piece of a block's activations (see `hetforge.memory.units`)."""
+
+    name: str
+    kind: str  # "saved" | "op" | "input"
+    bytes: float  # device bytes while it is held
+    host_bytes: float = 0.0  # saved / input units: bytes copied to the host when offloaded
+    time_s: float = 0.0  # op units: forward time of its ops, i.e. what recomputing them costs
+    users: tuple[str, ...] = ()  # input units: the branches that save it or hold it
+
+    @property
+    def branch(self) -> str:
+        return self.name.split(".", 1)[0] if self.kind != "input" else ""
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    mode: str  # "keep" (saved units kept or offloaded) | "recompute" (op units cached or recomputed)
+    units: frozenset = frozenset()  # keep: the saved units offloaded; recompute: the op units cached
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What one block does with each of its units; every option, named or not, is one of these."""
+
+    attn: BranchPlan
+    mlp: BranchPlan
+    offload_inputs: frozenset = frozenset()
+
+    def branch(self, name: str) -> BranchPlan:
+        return self.attn if name == "attn" else self.mlp
+
+    def encode(self) -> str:
+        parts = []
+        for br in BRANCHES:
+            bp = self.branch(br)
+            names = sorted(u.split(".", 1)[1] if "." in u else u for u in bp.units)
+            verb = "offload" if bp.mode == "keep" else "cache"
+            parts.append(f"{br}:{bp.mode}" + (f"-{verb}[{','.join(names)}]" if names else ""))
+        if self.offload_inputs:
+            parts.append(f"offload[{','.join(sorted(self.offload_inputs))}]")
+        return " | ".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> "Decision":
+        branches, inputs = {}, frozenset()
+        for part in text.split(" | "):
+            m = re.fullmatch(r"(attn|mlp):(keep|recompute)(?:-(?:offload|cache)\[([^\]]*)\])?", part.strip())
+            if m:
+                br, mode, names = m.groups()
+                units = frozenset(n if n == ALL else f"{br}.{n}" for n in (names or "").split(",") if n)
+                branches[br] = BranchPlan(mode, units)
+                continue
+            m = re.fullmatch(r"offload\[([^\]]*)\]", part.strip())
+            if not m:
+                raise ValueError(f"cannot read the block decision {text!r}")
+            inputs = frozenset(n for n in m.group(1).split(",") if n)
+        if set(branches) != set(BRANCHES):
+            raise ValueError(f"block decision {text!r} must name both branches (attn, mlp)")
+        return cls(branches["attn"], branches["mlp"], inputs)
+
+
+def resolve_option(option: str, input_users: dict[str, tuple[str, ...]]) -> Decision:
+    """A named option as a decision (given the block's inputs and the branches that save them),
+    or an encoded decision read back."""
+    if option not in OPTIONS:
+        return Decision.parse(option)
+    modes = dict(zip(BRANCHES, OPTIONS[option]))
+    plans = {br: BranchPlan("recompute") if m == "recompute" else
+             BranchPlan("keep", frozenset({ALL}) if m == "offload" else frozenset()) for br, m in modes.items()}
+    # a shared input goes to the host only when every branch that saves it offloads
+    inputs = frozenset(n for n, users in input_users.items() if all(modes[b] == "offload" for b in users))
+    return Decision(plans["attn"], plans["mlp"], inputs)
 
 
 @dataclass(frozen=True)
 class OptionCost:
-    """One block under one option, as measured by the profiler."""
+    """One block under one decision."""
 
     held: float  # device bytes kept from the end of the block's forward to its backward
     host: float  # bytes copied to host (and back)
@@ -54,11 +133,84 @@ class OptionCost:
 
 @dataclass
 class BlockProfile:
+    """One block as measured: times, its units (from which the cost of every decision follows) and
+    its own peak bytes in forward and backward per pair of branch modes, "keep/recompute" etc.
+    (offloaded tensors are back on the device for the block's backward, so only recomputation
+    changes the peaks; outputs a recomputed branch caches are added on top, an upper bound)."""
+
     fwd_s: float
     bwd_s: float
     input_bytes: float
-    options: dict[str, OptionCost]
-    tensors: list[dict] = field(default_factory=list)  # per saved tensor: module, shape, bytes
+    units: list[Unit]
+    peaks: dict[str, list[float]]  # "attn mode/mlp mode" -> [forward peak, backward peak]
+    tensors: list[dict] = field(default_factory=list)  # per saved tensor: unit, shape, bytes
+
+    def __post_init__(self) -> None:
+        self._costs: dict[str, OptionCost] = {}
+        self._of: dict[tuple, list[Unit]] = {}
+
+    def of(self, kind: str, branch: str | None = None) -> list[Unit]:
+        got = self._of.get((kind, branch))
+        if got is None:
+            got = self._of[(kind, branch)] = [u for u in self.units
+                                              if u.kind == kind and (branch is None or u.branch == branch)]
+        return got
+
+    def decision(self, option: str) -> Decision:
+        return resolve_option(option, {u.name: u.users for u in self.of("input")})
+
+    def name(self, d: Decision) -> str:
+        """The named option equal to `d` where there is one, else `d` encoded."""
+        for o in OPTIONS:
+            if self._normal(self.decision(o)) == self._normal(d):
+                return o
+        return d.encode()
+
+    def _normal(self, d: Decision) -> tuple:
+        out = []
+        for br in BRANCHES:
+            bp = d.branch(br)
+            if bp.mode == "keep":
+                names = {u.name for u in self.of("saved", br)}
+                out.append(("keep", frozenset(names if ALL in bp.units else bp.units & names)))
+            else:
+                out.append(("recompute", frozenset(bp.units & {u.name for u in self.of("op", br)})))
+        keepers = {b for b in BRANCHES if d.branch(b).mode == "keep"}
+        out.append(frozenset(u.name for u in self.of("input") if u.name in d.offload_inputs and keepers & set(u.users)))
+        return tuple(out)
+
+    def cost(self, option: str) -> OptionCost:
+        c = self._costs.get(option)
+        if c is None:
+            c = self._costs[option] = self._cost(self.decision(option))
+        return c
+
+    def _cost(self, d: Decision) -> OptionCost:
+        held = host = rec = cached = 0.0
+        for br in BRANCHES:
+            bp = d.branch(br)
+            if bp.mode == "keep":
+                for u in self.of("saved", br):
+                    if ALL in bp.units or u.name in bp.units:
+                        host += u.host_bytes
+                    else:
+                        held += u.bytes
+            else:
+                for u in self.of("op", br):
+                    if u.name in bp.units:
+                        cached += u.bytes
+                    else:
+                        rec += u.time_s
+        for u in self.of("input"):
+            keepers = [b for b in u.users if d.branch(b).mode == "keep"]
+            holders = [b for b in u.users if d.branch(b).mode == "recompute"]
+            off = bool(keepers) and u.name in d.offload_inputs
+            if holders or (keepers and not off):
+                held += u.bytes
+            if off:
+                host += u.host_bytes
+        fwd, bwd = self.peaks[f"{d.attn.mode}/{d.mlp.mode}"]
+        return OptionCost(held + cached, host, fwd + cached, bwd + cached, rec)
 
 
 @dataclass
@@ -84,7 +236,8 @@ class ModelProfile:
         blocks = [
             BlockProfile(
                 b["fwd_s"], b["bwd_s"], b["input_bytes"],
-                {k: OptionCost(**v) for k, v in b["options"].items()}, b.get("tensors", []),
+                [Unit(**{**u, "users": tuple(u["users"])}) for u in b["units"]],
+                b["peaks"], b.get("tensors", []),
             )
             for b in d["blocks"]
         ]
@@ -139,15 +292,15 @@ def simulate(profile: ModelProfile, plan: Plan) -> Prediction:
     for i, (b, name) in enumerate(zip(blocks, plan.options)):
         if seg[i] is not None:  # inside a checkpointed segment
             s, e = seg[i]
-            keep = b.options["keep"]
+            keep = b.cost("keep")
             held.append(b.input_bytes if i == s else 0.0)
             host.append(0.0)
             fpk.append(keep.fwd_peak)
             # the segment's backward rematerialises all of it first; blocks s..i-1 are live at B_i
-            bpk.append(keep.bwd_peak + sum(blocks[j].options["keep"].held for j in range(s, i)))
+            bpk.append(keep.bwd_peak + sum(blocks[j].cost("keep").held for j in range(s, i)))
             rec.append(b.fwd_s)
             continue
-        c = b.options[name]
+        c = b.cost(name)
         held.append(c.held), host.append(c.host), fpk.append(c.fwd_peak), bpk.append(c.bwd_peak)
         rec.append(c.recompute_s)
     link = profile.link_bytes_per_s

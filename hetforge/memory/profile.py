@@ -1,13 +1,15 @@
-"""Measuring what the planner prices: per block and per option, forward/backward/recompute time and
-the bytes kept on the device, copied to host, and at the block's own peak; the head (final norm,
-logits, loss) likewise; and the host link.
+"""Measuring what the planner prices: per block its forward/backward time, its own peak memory, and
+its units (`hetforge.memory.units`): the bytes of each saved unit on the device and as copied to the
+host, and the bytes and forward time of each op unit; the head (final norm, logits, loss) likewise;
+and the host link.
 
-Blocks of a GPT-NeoX are identical, so one standalone block is measured (under every option, through
-the real executor) and repeated n times: profiling forge-l needs one block's memory, not 22B
-parameters. Bytes come from the executor's ledger (saved-tensor hooks, per storage) and so are
-exact; on a GPU the block's own peaks are `max_memory_allocated`, on CPU (no allocator statistics)
-they are the held tensors plus the block's output and gradient buffers. Profiles are cached per
-(model, micro-batch, seq, precision, device, link).
+Blocks of a GPT-NeoX are identical, so one standalone block is measured (through the real executor)
+and repeated n times: profiling forge-l needs one block's memory, not 22B parameters. Saved bytes
+come from the executor's ledger (saved-tensor hooks, per storage) and op outputs from a dispatch
+mode, so both are exact; peaks come from `PeakMeter` (the CUDA allocator's statistics, or the
+profiler's allocation events on the CPU). An op unit's time is the branch's measured forward time
+shared out over its ops in proportion to their clocked times. Profiles are cached per (model,
+micro-batch, seq, precision, device, link).
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hetforge.memory.executor import ActivationLedger, PlanRunner, parameter_storages
-from hetforge.memory.plan import OPTIONS, BlockProfile, ModelProfile, OptionCost, Plan
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hetforge.memory.executor import ActivationLedger, PlanRunner, input_users, parameter_storages
+from hetforge.memory.measure import PeakMeter
+from hetforge.memory.plan import BRANCHES, BlockProfile, ModelProfile, Plan, Unit, resolve_option
+from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.presets import count_parameters
 from hetforge.train.precision import DTYPES, Precision
 
 DEFAULT_CPU_LINK = 12e9  # bytes/s: a PCIe 3.0 x16 link as GPUs of the legacy class see it
 OPTIMIZER_BYTES = {"adamw": 8, "lamb": 8, "sgd": 0}
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 
 
 def _sync(device: torch.device) -> None:
@@ -77,27 +84,46 @@ def _autocast(precision: str, device: torch.device):
     return Precision(precision, device).autocast()
 
 
-def _label_modules(block: Block, ledger: ActivationLedger) -> list:
-    """Name the module that saves each tensor, for the per-tensor table."""
-    names = {
-        "input_layernorm": "attn: norm (input x, mean, rstd)",
-        "attention.query_key_value": "attn: QKV projection input",
-        "attention.dense": "attn: output projection input",
-        "post_attention_layernorm": "mlp: norm",
-        "mlp.dense_h_to_4h": "mlp: up-projection input",
-        "mlp.dense_4h_to_h": "mlp: down-projection input (GELU output)",
-    }
-    after = {
-        "attention.query_key_value": "attn: rotary + SDPA (q, k, v, output, logsumexp)",
-        "mlp.dense_h_to_4h": "mlp: GELU input (hidden)",
-    }
-    handles = []
-    for path, label in names.items():
-        mod = block.get_submodule(path)
-        handles.append(mod.register_forward_pre_hook(lambda m, a, label=label: setattr(ledger, "label", label)))
-        if path in after:
-            handles.append(mod.register_forward_hook(lambda m, a, o, lb=after[path]: setattr(ledger, "label", lb)))
-    return handles
+class _OpClock(TorchDispatchMode):
+    """Times every op of a forward and names its op unit; records the bytes of what each op that
+    selective checkpointing could cache produces."""
+
+    def __init__(self, labeller: Labeller, params: set[int], device: torch.device):
+        super().__init__()
+        self.labeller, self.params, self.device = labeller, params, device
+        self.time: dict[str, float] = {}  # unit (or "" for the rest) -> seconds
+        self.bytes: dict[str, int] = {}  # unit -> bytes its ops produce
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        unit = self.labeller.op_unit(func)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        _sync(self.device)
+        self.time[unit or ""] = self.time.get(unit or "", 0.0) + time.perf_counter() - t0
+        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        weight_only = bool(ins) and all(storage_key(a) in self.params for a in ins)
+        if unit is not None and not is_view_op(func) and not weight_only:
+            # per op, not per address: an intermediate's address is reused by the next one
+            made = {storage_key(o): o.untyped_storage().nbytes() for o in tree_leaves(out) if isinstance(o, torch.Tensor)}
+            self.bytes[unit] = self.bytes.get(unit, 0) + sum(made.values())
+        return out
+
+
+def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]]) -> list[Unit]:
+    """Saved and input units from one recorded keep-all forward: device bytes per storage, host
+    bytes per distinct view (what offloading copies)."""
+    dev: dict[str, dict] = {}
+    host: dict[str, dict] = {}
+    for r in tensors:
+        dev.setdefault(r["unit"], {})[r["key"]] = r["bytes"]
+        host.setdefault(r["unit"], {})[tuple(r["view"])] = r["view_bytes"]
+    out = []
+    for name in dev:
+        kind = "input" if name in users else "saved"
+        out.append(Unit(name, kind, float(sum(dev[name].values())), float(sum(host[name].values())),
+                        users=users.get(name, ())))
+    return out
 
 
 def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
@@ -109,42 +135,76 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     params = parameter_storages(block)
     x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
     grad = torch.randn_like(x0)
-    a = x0.numel() * x0.element_size()
+    a = tensor_bytes(x0)
     ac = lambda: _autocast(precision, device)  # noqa: E731
+    users = input_users(cfg.parallel_residual)
 
-    def run(option: str, record: bool = False):
-        runner = PlanRunner(Plan([option]), params)
+    def run(option: str, record: bool = False) -> tuple[float, float, list[dict]]:
+        """The block's own peaks in forward and backward under `option`, and what it saved."""
+        runner = PlanRunner(Plan([option]), params, cfg.parallel_residual)
         runner.ledger.record = record
-        handles = _label_modules(block, runner.ledger) if record else []
+        handles = runner.install_labels([block])
         x = x0.detach().requires_grad_(True)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device) - a if device.type == "cuda" else 0
-        with ac():
+        with PeakMeter(device) as fwd_meter, ac():
             out = runner([block], x, cos, sin)
-        fpk = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
-        held, host = runner.ledger.device_bytes, runner.ledger.host_bytes
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        out.backward(grad)
-        bpk = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        with PeakMeter(device) as bwd_meter:
+            out.backward(grad)
         for hd in handles:
             hd.remove()
-        block.zero_grad(set_to_none=True)
-        return held, host, fpk, bpk, runner.ledger.tensors
+        block.zero_grad(set_to_none=False)
+        # forward: the input and all the block makes; backward: the incoming gradient and the input,
+        # what the forward left held (not its output: the next block has consumed it), and the rest
+        fwd = a + fwd_meter.peak
+        bwd = 2 * a + fwd_meter.net - tensor_bytes(out) + bwd_meter.peak
+        return float(fwd), float(bwd), runner.ledger.tensors
 
-    full, _, _, _, tensors = run("keep", record=True)
+    run("keep")  # gradients allocated, so no later measure counts them
+    # Per (attention, MLP) mode: offloaded tensors are back on the device in the block's backward,
+    # so only recomputation changes the block's own peaks.
+    peaks = {}
+    for o in ("keep", "recompute-attn", "recompute-mlp", "recompute"):
+        fwd, bwd, saved = run(o, record=o == "keep")
+        d = resolve_option(o, users)
+        peaks[f"{d.attn.mode}/{d.mlp.mode}"] = [fwd, bwd]
+        if o == "keep":
+            units = _saved_units(saved, users)
+            tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
 
-    def fwd_only(fn):
+    # Op units: what each op group produces and how long it takes, per branch.
+    def branch_fwd(name):
         def go():
             x = x0.detach().requires_grad_(True)
             with ac():
-                fn(x)
+                block.attn_branch(x, cos, sin) if name == "attn" else block.mlp_branch(x)
         return go
 
-    t_attn = _timed(fwd_only(lambda x: block.attn_branch(x, cos, sin)), device, repeats)
-    t_mlp = _timed(fwd_only(block.mlp_branch), device, repeats)
+    branch_s = {br: _timed(branch_fwd(br), device, repeats) for br in BRANCHES}
+    labeller = Labeller()
+    handles = labeller.install(block)
+    clocks = []
+    for _ in range(repeats):
+        clock = _OpClock(labeller, params, device)
+        for br in BRANCHES:
+            labeller.set("")
+            with clock:
+                branch_fwd(br)()
+        clocks.append(clock)
+    for hd in handles:
+        hd.remove()
+    for br in BRANCHES:
+        # the branch's measured time, shared out over its ops in proportion to their clocked times
+        names = [n for n in clocks[0].bytes if n.startswith(br + ".")]
+        total = statistics.median(sum(t for n, t in c.time.items() if n.startswith(br + ".") or n == "")
+                                  for c in clocks) or 1.0
+        for n in names:
+            t = statistics.median(c.time.get(n, 0.0) for c in clocks)
+            units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=branch_s[br] * t / total))
 
+    fwd_s, bwd_s = _fwd_bwd_times(block, x0, grad, cos, sin, ac, device, repeats)
+    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors)
+
+
+def _fwd_bwd_times(block, x0, grad, cos, sin, ac, device, repeats) -> tuple[float, float]:
     def fwd_bwd():
         x = x0.detach().requires_grad_(True)
         _sync(device)
@@ -160,17 +220,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         return t1 - t0, t2 - t1
 
     runs = [fwd_bwd() for _ in range(repeats + 1)][1:]
-    fwd_s = statistics.median(r[0] for r in runs)
-    bwd_s = statistics.median(r[1] for r in runs)
-    options = {}
-    for name, (am, mm) in OPTIONS.items():
-        held, host, fpk, bpk, _ = run(name)
-        rec = (t_attn if am == "recompute" else 0.0) + (t_mlp if mm == "recompute" else 0.0)
-        if fpk is None:  # CPU: held + everything the block produces, then the gradient buffers
-            fpk, bpk = full + a, full + 2 * a
-        options[name] = OptionCost(held=float(held), host=float(host), fwd_peak=float(fpk), bwd_peak=float(bpk),
-                                   recompute_s=rec)
-    return BlockProfile(fwd_s, bwd_s, float(a), options, tensors)
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
 def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
@@ -185,7 +235,7 @@ def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str,
     ledger = ActivationLedger(params=params)
 
     def pack(t):
-        ledger._hold_device(t)
+        ledger.hold_device(t)
         return t
 
     def step(measure=False):
@@ -197,15 +247,12 @@ def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str,
             loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
         return x, logits, loss
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    x, logits, loss = step(measure=True)
-    held = float(ledger.device_bytes)
-    logits_bytes = logits.numel() * 4.0
-    del logits
-    loss.backward()
-    peak = float(torch.cuda.max_memory_allocated(device) - base) if device.type == "cuda" else held + 2 * logits_bytes
+    with PeakMeter(device) as meter:
+        x, logits, loss = step(measure=True)
+        held = float(ledger.device_bytes)
+        del logits
+        loss.backward()
+    peak = float(meter.peak + tensor_bytes(x0))  # the last block's output is live throughout
 
     def fwd():
         return step()[2]

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from hetforge.memory.plan import ModelProfile, Plan, Prediction, format_bytes, simulate
+from hetforge.memory.units import DESCRIPTIONS
 
 
 def decisions_table(plan: Plan, profile: ModelProfile) -> Table:
@@ -25,8 +27,8 @@ def decisions_table(plan: Plan, profile: ModelProfile) -> Table:
         j = i
         while j + 1 < n and plan.options[j + 1] == plan.options[i]:
             j += 1
-        c = profile.blocks[i].options[plan.options[i]]
-        t.add_row(f"{i}" if i == j else f"{i}-{j}", plan.options[i], format_bytes(c.held), format_bytes(c.host),
+        c = profile.blocks[i].cost(plan.options[i])
+        t.add_row(f"{i}" if i == j else f"{i}-{j}", escape(plan.options[i]), format_bytes(c.held), format_bytes(c.host),
                   f"{c.recompute_s * 1e3:.2f}")
         i = j + 1
     return t
@@ -34,10 +36,23 @@ def decisions_table(plan: Plan, profile: ModelProfile) -> Table:
 
 def tensors_table(profile: ModelProfile) -> Table:
     t = Table(title="saved tensors of one block (keep-all), from the saved-tensor hooks")
-    for col in ("module", "shape", "dtype", "bytes"):
+    for col in ("unit", "shape", "dtype", "storage bytes"):
         t.add_column(col)
     for r in profile.blocks[0].tensors:
-        t.add_row(r["module"], "x".join(map(str, r["shape"])), r["dtype"], format_bytes(r["bytes"]))
+        t.add_row(r["unit"], "x".join(map(str, r["shape"])), r["dtype"], format_bytes(r["bytes"]))
+    return t
+
+
+def units_table(profile: ModelProfile) -> Table:
+    """What a tensor-level plan decides on, per block: saved units (keep or offload) and op units
+    (cache or recompute, in a recomputed branch)."""
+    t = Table(title="units of one block: saved (keep / offload) and op outputs (cache / recompute)")
+    for col in ("unit", "kind", "what", "device bytes", "host bytes", "recompute ms"):
+        t.add_column(col, justify="left" if col in ("unit", "kind", "what") else "right")
+    for u in profile.blocks[0].units:
+        t.add_row(u.name, u.kind, DESCRIPTIONS.get(u.name, ""), format_bytes(u.bytes),
+                  format_bytes(u.host_bytes) if u.kind != "op" else "",
+                  f"{u.time_s * 1e3:.3f}" if u.kind == "op" else "")
     return t
 
 

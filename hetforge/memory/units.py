@@ -1,0 +1,130 @@
+"""The named pieces of a transformer block that a tensor-level memory plan decides on.
+
+A block's activations are seen two ways, and a plan needs both names:
+
+* **saved units** are the tensors autograd saves for the backward, grouped by the module that saves
+  them (the attention core's q, k, v, output and logsumexp; the MLP's hidden; ...). In a branch that
+  is not recomputed each saved unit is kept on the device or offloaded to the host.
+* **op units** are the outputs of the forward ops, grouped by the op that produces them (the QKV
+  matmul, rotary, SDPA, GELU, ...). In a recomputed branch (selective activation checkpointing) each
+  op unit's outputs are either cached in the forward or recomputed in the backward.
+
+The block input is a unit of its own (`x`), shared by both branches of a parallel-residual block;
+with a sequential residual the MLP's input is another (`mlp.input`).
+
+`Labeller` tracks which piece of a block is running, from forward hooks on the block's modules,
+so the executor and the profiler name every saved tensor and every op the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (module path inside a Block, hook kind, label that starts there)
+LABEL_HOOKS: tuple[tuple[str, str, str], ...] = (
+    ("input_layernorm", "pre", "attn.norm"),
+    ("attention.query_key_value", "pre", "attn.qkv"),
+    ("attention.query_key_value", "post", "attn.core"),
+    ("attention.dense", "pre", "attn.dense"),
+    ("post_attention_layernorm", "pre", "mlp.norm"),
+    ("mlp.dense_h_to_4h", "pre", "mlp.up"),
+    ("mlp.dense_h_to_4h", "post", "mlp.gelu"),
+    ("mlp.dense_4h_to_h", "pre", "mlp.down"),
+)
+
+# Saved units: the module that saves a tensor -> the unit it belongs to.
+SAVED_UNIT = {
+    "attn.norm": "attn.norm-stats",
+    "attn.qkv": "attn.norm-out",
+    "attn.core": "attn.core",
+    "attn.dense": "attn.merged",
+    "mlp.norm": "mlp.norm-stats",
+    "mlp.up": "mlp.norm-out",
+    "mlp.gelu": "mlp.hidden",
+    "mlp.down": "mlp.gelu-out",
+}
+
+DESCRIPTIONS = {
+    "x": "block input (saved by the layer norms)",
+    "mlp.input": "MLP input (sequential residual)",
+    "attn.norm-stats": "attn layer-norm mean, rstd",
+    "attn.norm-out": "attn layer-norm output (QKV matmul input)",
+    "attn.core": "q, k, v, attention output, logsumexp (rotary + SDPA)",
+    "attn.merged": "heads merged (output projection input)",
+    "mlp.norm-stats": "MLP layer-norm mean, rstd",
+    "mlp.norm-out": "MLP layer-norm output (up-projection input)",
+    "mlp.hidden": "MLP hidden (GELU input)",
+    "mlp.gelu-out": "GELU output (down-projection input)",
+    "attn.norm": "layer norm (output, mean, rstd)",
+    "attn.qkv": "QKV matmul output",
+    "attn.rope": "rotary embedding of q, k",
+    "attn.sdpa": "SDPA (output, logsumexp)",
+    "attn.merge": "merge heads (copy)",
+    "mlp.norm": "layer norm (output, mean, rstd)",
+    "mlp.up": "up-projection output (hidden)",
+    "mlp.gelu": "GELU output",
+}
+
+# Ops under these labels end their branch: early-stopping recomputation never reaches them and the
+# backward needs none of their outputs, so caching them would only cost memory.
+FINAL_LABELS = frozenset({"attn.dense", "mlp.down"})
+
+
+def branch_of(unit: str) -> str:
+    return unit.split(".", 1)[0] if "." in unit else ""
+
+
+def is_view_op(op) -> bool:
+    """Ops whose outputs alias an input: free to recompute, never worth caching."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+class Labeller:
+    """Which piece of a block is running now; set by forward hooks, read by the saved-tensor hooks
+    (saved units) and the selective-checkpoint policy (op units)."""
+
+    def __init__(self) -> None:
+        self.label = ""
+        self._after_sdpa = False
+
+    def set(self, label: str) -> None:
+        self.label = label
+        self._after_sdpa = False
+
+    def install(self, block: torch.nn.Module) -> list:
+        handles = []
+        for path, kind, label in LABEL_HOOKS:
+            mod = block.get_submodule(path)
+            if kind == "pre":
+                handles.append(mod.register_forward_pre_hook(lambda m, a, lb=label: self.set(lb)))
+            else:
+                handles.append(mod.register_forward_hook(lambda m, a, o, lb=label: self.set(lb)))
+        return handles
+
+    def saved_unit(self) -> str:
+        return SAVED_UNIT.get(self.label, self.label or "other")
+
+    def op_unit(self, op) -> str | None:
+        """The op unit of `op` running now; None for ops whose outputs are never worth caching."""
+        if self.label in FINAL_LABELS or not self.label:
+            return None
+        if self.label == "attn.core":
+            if "scaled_dot_product" in str(op):
+                self._after_sdpa = True
+                return "attn.sdpa"
+            return "attn.merge" if self._after_sdpa else "attn.rope"
+        return self.label
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def view_key(t: torch.Tensor) -> tuple:
+    """Identifies one view of a storage: two saves of the same view share one host copy."""
+    return (storage_key(t), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
