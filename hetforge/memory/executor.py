@@ -167,8 +167,9 @@ class _BlockState:
 class PlanRunner:
     """The model's `block_runner` under a plan (see `GPTNeoX.forward`)."""
 
-    def __init__(self, plan: Plan, params: set[int], parallel_residual: bool = True):
+    def __init__(self, plan: Plan, params: set[int], parallel_residual: bool = True, random: bool = True):
         self.plan = plan
+        self.random = random  # the blocks draw random numbers (dropout): recomputation must replay them
         self.ledger = ActivationLedger(params=params)
         self.labeller = Labeller()
         users = input_users(parallel_residual)
@@ -265,10 +266,12 @@ class PlanRunner:
         self._branch = (block, name, mode)
         try:
             if mode == "recompute" and torch.is_grad_enabled():
+                # The RNG state (5 KB on the CPU, per region) is kept only where something random runs.
+                kw = {"use_reentrant": False, "preserve_rng_state": self.random}
                 if bp.units:
-                    ctx = partial(create_selective_checkpoint_contexts, partial(self._policy, block, bp.units))
-                    return checkpoint(fn, *args, use_reentrant=False, context_fn=ctx)
-                return checkpoint(fn, *args, use_reentrant=False)
+                    kw["context_fn"] = partial(create_selective_checkpoint_contexts,
+                                               partial(self._policy, block, bp.units))
+                return checkpoint(fn, *args, **kw)
             return fn(*args)
         finally:
             self._branch = prev
@@ -299,7 +302,8 @@ class PlanRunner:
                             h = self._block(layers, j, h, cos, sin)
                         return h
 
-                    x = checkpoint(seg, x, use_reentrant=False) if torch.is_grad_enabled() else seg(x)
+                    x = (checkpoint(seg, x, use_reentrant=False, preserve_rng_state=self.random)
+                         if torch.is_grad_enabled() else seg(x))
                     self._in_segment = set()
                     i = e
                     continue
@@ -331,7 +335,7 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None) -> PlanRunner | None:
         return None
     if len(plan.options) != len(core.layers):
         raise ValueError(f"plan is for {len(plan.options)} blocks, the model has {len(core.layers)}")
-    runner = PlanRunner(plan, parameter_storages(core), core.cfg.parallel_residual)
+    runner = PlanRunner(plan, parameter_storages(core), core.cfg.parallel_residual, random=core.cfg.dropout > 0)
     runner._handles = runner.install_labels(core.layers)
     core.block_runner = runner
     return runner

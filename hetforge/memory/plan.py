@@ -223,6 +223,7 @@ class ModelProfile:
     head_peak: float  # the head stage's own peak (held tensors plus logits gradient)
     link_bytes_per_s: float  # host <-> device copy bandwidth (measured on GPU, configured on CPU)
     meta: dict = field(default_factory=dict)
+    shared_bytes: float = 0.0  # activations alive all step that no block owns (the rotary tables)
 
     @property
     def static_bytes(self) -> float:
@@ -313,12 +314,12 @@ def simulate(profile: ModelProfile, plan: Plan) -> Prediction:
 
     def record(stage: str, dur: float, own: float, neighbour: float, prefix_: float) -> None:
         nonlocal peak, peak_at
-        mem = static + prefix_ + neighbour + own
+        mem = static + profile.shared_bytes + prefix_ + neighbour + own
         timeline.append((stage, dur, mem))
         if mem > peak:
             peak = mem
-            peak_at = {**profile.static, "activations held": prefix_, "transfer buffers": neighbour,
-                       f"{stage} working set": own}
+            peak_at = {**profile.static, "rotary tables": profile.shared_bytes, "activations held": prefix_,
+                       "transfer buffers": neighbour, f"{stage} working set": own}
 
     for k in range(n):
         prev = host[k - 1] if k else 0.0

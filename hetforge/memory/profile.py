@@ -37,7 +37,7 @@ from hetforge.train.precision import DTYPES, Precision
 
 DEFAULT_CPU_LINK = 12e9  # bytes/s: a PCIe 3.0 x16 link as GPUs of the legacy class see it
 OPTIMIZER_BYTES = {"adamw": 8, "lamb": 8, "sgd": 0}
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 def _sync(device: torch.device) -> None:
@@ -141,7 +141,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
 
     def run(option: str, record: bool = False) -> tuple[float, float, list[dict]]:
         """The block's own peaks in forward and backward under `option`, and what it saved."""
-        runner = PlanRunner(Plan([option]), params, cfg.parallel_residual)
+        runner = PlanRunner(Plan([option]), params, cfg.parallel_residual, random=cfg.dropout > 0)
         runner.ledger.record = record
         handles = runner.install_labels([block])
         x = x0.detach().requires_grad_(True)
@@ -290,6 +290,7 @@ def profile_model(
         static=static_bytes(cfg, optimizer),
         head_fwd_s=hf, head_bwd_s=hb, head_held=hheld, head_peak=hpeak,
         link_bytes_per_s=float(link_bytes_per_s),
+        shared_bytes=float(2 * seq * cfg.rotary_dims * 4),  # cos and sin, fp32, made once per forward
         meta={"micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device),
               "n_layers": cfg.n_layers, "d_model": cfg.d_model, "optimizer": optimizer,
               "link_measured": device.type == "cuda"},

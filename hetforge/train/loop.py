@@ -148,6 +148,9 @@ def backward_share(
                     torch.cuda.synchronize(device)
                 after_forward(time.perf_counter() - t0)
             token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            # Nothing saved for the backward refers to the logits: let them go now, not after the
+            # backward (or the next micro-batch's forward). At a 50k vocabulary that is GBs.
+            del logits
             if clock is not None:
                 clock.last = None
             scaler.scale(token_loss * weight / tokens_per_step).backward()
@@ -356,7 +359,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             mine = plan.micro_positions(ctx.rank, consumed)
-            checking = check is not None and check.before(steps_this_call)
+            checking = check is not None and check.before(steps_this_call, params)
             step_loss, compute_s = backward_share(
                 net, train_samples, order, mine, consumed, tokens_per_step, ctx.world_size, precision, scaler,
                 device, after_forward=lambda seconds: slowdown.after_forward(seconds, step), clock=clock,
