@@ -213,7 +213,7 @@ class MemoryConfig(_Strict):
     budget: str | float | None = None
     strategy: Literal["milp", "none", "full", "sqrt", "recompute-only"] = "milp"
     granularity: Literal["block", "sublayer", "tensor"] = "tensor"
-    link_gbps: float | None = Field(None, gt=0)  # host link GB/s; None: measured on GPU, 12 on CPU
+    link_gbps: float | None = Field(None, gt=0)  # host copy GB/s; None: measured (pinned PCIe copy, or the CPU memcpy)
     time_limit_s: float = Field(60.0, gt=0)
     verify_tolerance: float = Field(0.15, gt=0)  # warn when measured and predicted differ more
 

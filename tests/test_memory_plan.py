@@ -65,11 +65,14 @@ def test_block_milp_equals_brute_force(seed, frac):
     assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("frac", [0.8, 0.4, 0.1])
-def test_tensor_milp_equals_brute_force(seed, frac):
-    """Every decision of every unit of a 2-block chain (a few thousand plans)."""
+def test_tensor_milp_equals_brute_force(seed, frac, overlap):
+    """Every decision of every unit of a 2-block chain (a few thousand plans), with copies beside
+    compute (a GPU) and on the compute's own time (the CPU)."""
     prof = synthetic(2, seed, link_mb_s=[800.0, 5000.0][seed - 3], units_per_branch=2)
+    prof.overlap = overlap
     menu = TensorMenu()
     assert len(menu.decisions(prof.blocks[0])) > 50
     budget = budget_between(prof, menu, frac)
@@ -80,10 +83,18 @@ def test_tensor_milp_equals_brute_force(seed, frac):
     assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
 
 
-def test_minimum_budget_is_the_brute_force_minimum():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_minimum_budget_is_the_brute_force_minimum(overlap):
     prof = synthetic(7, 5)
+    prof.overlap = overlap
     true_min = min(simulate(prof, Plan(list(c))).peak_bytes for c in itertools.product(MENUS["block"], repeat=7))
     assert minimum_budget(prof, MENUS["block"]) == pytest.approx(true_min, rel=1e-6)
+    tiny = synthetic(2, 6, units_per_branch=1)
+    tiny.overlap = overlap
+    menu = TensorMenu()
+    options = menu.decisions(tiny.blocks[0])
+    true_min = min(simulate(tiny, Plan(list(c))).peak_bytes for c in itertools.product(options, repeat=2))
+    assert minimum_budget(tiny, menu) == pytest.approx(true_min, rel=1e-6)
 
 
 def test_monotonic_and_keep_all_and_baselines_never_faster():

@@ -196,19 +196,23 @@ def _build(profile: ModelProfile, menu: Menu, budget: float):
         h.addConstr(s - transfer + compute_ms >= 0)
         stalls.append(s)
 
+    lap = profile.overlap
     for k in range(n):
-        prev = host[k - 1] if k else 0.0
+        prev = host[k - 1] if k and lap else 0.0
         mem_row(prefix[k] + prev + terms[k]["fwd_peak"])
-        if k:
+        if k and lap:
             stall(host[k - 1] * link_ms_per_mib, blocks[k].fwd_s * MS)
     if n:
-        mem_row(prefix[n] + host[n - 1] + profile.head_peak / MIB)
-        stall(host[n - 1] * link_ms_per_mib, (profile.head_fwd_s + profile.head_bwd_s) * MS)
+        mem_row(prefix[n] + (host[n - 1] if lap else 0.0) + profile.head_peak / MIB)
+        if lap:
+            stall(host[n - 1] * link_ms_per_mib, (profile.head_fwd_s + profile.head_bwd_s) * MS)
     for k in range(n):
         prev = host[k - 1] if k else 0.0
         mem_row(prefix[k] + prev + terms[k]["bwd_peak"])
-        if k:
+        if k and lap:
             stall(host[k - 1] * link_ms_per_mib, blocks[k].bwd_s * MS + rec[k])
+    if not lap:  # every byte moved is copied out and back on the compute's own time
+        stalls.append(sum(host) * (2 * link_ms_per_mib))
     # On a tie in time prefer moving fewer bytes (a free offload still uses the link and host memory)
     # and fewer checkpointed regions (caching everything equals keeping it, at more cost).
     tie = sum(host) * TIE_MS_PER_MIB + sum(t["regions"] for t in terms) * TIE_MS_PER_REGION

@@ -6,6 +6,7 @@ chain structure gives an exact answer instead. Every stage row of `plan.simulate
 
     static + P_k + host_{k-1} + own_k        (P_k = bytes held by blocks before k)
 
+(without overlapped copies, host_{k-1} only in the backward rows)
 so for a candidate bound B, whether some plan keeps every row within B is a forward pass whose
 state is the previous block's host bytes: for each state, the least P_k that reaches it. Bisection
 on B, then the plan at the smallest feasible B is rebuilt and simulated, so the figure returned is
@@ -20,9 +21,9 @@ from hetforge.memory.plan import BlockProfile, ModelProfile, Plan, simulate
 
 
 def _options(blk: BlockProfile, menu) -> tuple[list[str], np.ndarray]:
-    """The menu's options of one block, less those another beats on held, host and own peak."""
+    """The menu's options of one block, less those another beats on held, host and both own peaks."""
     names = list(menu.decisions(blk) if hasattr(menu, "decisions") else menu)
-    costs = np.array([[c.held, c.host, max(c.fwd_peak, c.bwd_peak)] for c in map(blk.cost, names)])
+    costs = np.array([[c.held, c.host, c.fwd_peak, c.bwd_peak] for c in map(blk.cost, names)])
     keep = []
     order = np.lexsort(costs.T[::-1])
     for i in order:
@@ -31,13 +32,16 @@ def _options(blk: BlockProfile, menu) -> tuple[list[str], np.ndarray]:
     return [names[i] for i in keep], costs[keep]
 
 
-def _feasible(menus: list[tuple[list[str], np.ndarray]], head: float, bound: float) -> list[str] | None:
-    """A plan whose every row is within `bound` (bytes above static), or None."""
+def _feasible(menus: list[tuple[list[str], np.ndarray]], head: float, bound: float,
+              overlap: bool = True) -> list[str] | None:
+    """A plan whose every row is within `bound` (bytes above static), or None. Without overlap the
+    previous block's copy is on the device only in the backward rows (see `plan.simulate`)."""
     hosts = np.array([0.0])  # the previous block's host bytes, one per state
     held = np.array([0.0])  # the least bytes held by earlier blocks reaching that state
     back = []
     for names, c in menus:
-        total = held[:, None] + hosts[:, None] + c[None, :, 2]  # states x options
+        fwd = c[None, :, 2] + (hosts[:, None] if overlap else 0.0)
+        total = held[:, None] + np.maximum(fwd, hosts[:, None] + c[None, :, 3])  # states x options
         ok = total <= bound
         cand = np.where(ok, held[:, None] + c[None, :, 0], np.inf)
         best_state = cand.argmin(axis=0)
@@ -54,7 +58,7 @@ def _feasible(menus: list[tuple[list[str], np.ndarray]], head: float, bound: flo
             return None
         back.append((pick[live], best_state, names))
         hosts, held = new_hosts[live], new_held[live]
-    final = held + hosts + head
+    final = held + (hosts if overlap else 0.0) + head
     if final.min() > bound:
         return None
     state = int(final.argmin())
@@ -73,7 +77,8 @@ def _menus(profile: ModelProfile, menu) -> list[tuple[list[str], np.ndarray]]:
 
 def feasible_plan(profile: ModelProfile, menu, budget: float) -> Plan | None:
     """Some plan whose peak is within `budget` (the one holding least), or None if none is."""
-    names = _feasible(_menus(profile, menu), profile.head_peak, budget - profile.static_bytes - profile.shared_bytes)
+    names = _feasible(_menus(profile, menu), profile.head_peak, budget - profile.static_bytes - profile.shared_bytes,
+                      profile.overlap)
     return Plan(names, "feasible") if names is not None else None
 
 
@@ -82,11 +87,11 @@ def minimum_peak(profile: ModelProfile, menu) -> tuple[float, Plan]:
     menus = _menus(profile, menu)
     n = len(profile.blocks)
     hi = simulate(profile, Plan(["keep"] * n)).peak_bytes - profile.static_bytes - profile.shared_bytes
-    lo = max([profile.head_peak] + [float(c[:, 2].min()) for _, c in menus]) - 1.0
-    best = _feasible(menus, profile.head_peak, hi) or ["keep"] * n
+    lo = max([profile.head_peak] + [float(c[:, 2:].max(axis=1).min()) for _, c in menus]) - 1.0
+    best = _feasible(menus, profile.head_peak, hi, profile.overlap) or ["keep"] * n
     while hi - lo > max(1.0, 1e-9 * hi):
         mid = (lo + hi) / 2
-        plan = _feasible(menus, profile.head_peak, mid)
+        plan = _feasible(menus, profile.head_peak, mid, profile.overlap)
         if plan is None:
             lo = mid
         else:

@@ -224,6 +224,9 @@ class ModelProfile:
     link_bytes_per_s: float  # host <-> device copy bandwidth (measured on GPU, configured on CPU)
     meta: dict = field(default_factory=dict)
     shared_bytes: float = 0.0  # activations alive all step that no block owns (the rotary tables)
+    # Copies run beside compute (a GPU's copy stream) or on the compute's own cores (the CPU: the
+    # copy out is paid in the block's forward, the copy back in the backward that prefetches it).
+    overlap: bool = True
 
     @property
     def static_bytes(self) -> float:
@@ -321,20 +324,27 @@ def simulate(profile: ModelProfile, plan: Plan) -> Prediction:
             peak_at = {**profile.static, "rotary tables": profile.shared_bytes, "activations held": prefix_,
                        "transfer buffers": neighbour, f"{stage} working set": own}
 
+    lap = profile.overlap
     for k in range(n):
-        prev = host[k - 1] if k else 0.0
-        s_ = max(0.0, (xfer[k - 1] if k else 0.0) - blocks[k].fwd_s)
+        if lap:  # block k-1's copy out runs during F_k, its tensors still on the device
+            prev, s_ = (host[k - 1] if k else 0.0), max(0.0, (xfer[k - 1] if k else 0.0) - blocks[k].fwd_s)
+        else:  # block k copies out in its own forward and frees its tensors at the end of it
+            prev, s_ = 0.0, xfer[k]
         stall += s_
         record(f"F{k}", blocks[k].fwd_s + s_, fpk[k], prev, prefix)
         prefix += held[k]
-    s_ = max(0.0, (xfer[n - 1] if n else 0.0) - (profile.head_fwd_s + profile.head_bwd_s))
+    head_s = profile.head_fwd_s + profile.head_bwd_s
+    s_ = max(0.0, (xfer[n - 1] if n else 0.0) - head_s) if lap else 0.0
     stall += s_
     held_total = prefix
-    record("H", profile.head_fwd_s + profile.head_bwd_s + s_, profile.head_peak, host[n - 1] if n else 0.0, prefix)
+    record("H", head_s + s_, profile.head_peak, host[n - 1] if n and lap else 0.0, prefix)
     for k in range(n - 1, -1, -1):
         prefix -= held[k]
-        prev = host[k - 1] if k else 0.0
-        s_ = max(0.0, (xfer[k - 1] if k else 0.0) - (blocks[k].bwd_s + rec[k]))
+        prev = host[k - 1] if k else 0.0  # block k-1 is prefetched while B_k runs
+        if lap:
+            s_ = max(0.0, (xfer[k - 1] if k else 0.0) - (blocks[k].bwd_s + rec[k]))
+        else:  # the prefetch of block k-1 (and, for the last block, its own fetch) is paid here
+            s_ = (xfer[k - 1] if k else 0.0) + (xfer[k] if k == n - 1 else 0.0)
         stall += s_
         record(f"B{k}", blocks[k].bwd_s + rec[k] + s_, bpk[k], prev, prefix)
     fwd = sum(b.fwd_s for b in blocks) + profile.head_fwd_s

@@ -35,9 +35,8 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.presets import count_parameters
 from hetforge.train.precision import DTYPES, Precision
 
-DEFAULT_CPU_LINK = 12e9  # bytes/s: a PCIe 3.0 x16 link as GPUs of the legacy class see it
 OPTIMIZER_BYTES = {"adamw": 8, "lamb": 8, "sgd": 0}
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 
 def _sync(device: torch.device) -> None:
@@ -58,7 +57,17 @@ def _timed(fn, device, repeats: int) -> float:
 
 
 def measure_link(device: torch.device, nbytes: int = 256 * 2**20) -> float:
-    """Host<->device bandwidth (bytes/s, the slower direction) with pinned memory."""
+    """Host<->device bandwidth (bytes/s, the slower direction) with pinned memory; on the CPU the
+    rate of the executor's own copy out of PyTorch's allocator and back."""
+    if device.type != "cuda":
+        from hetforge.memory.executor import _HostCopy
+
+        t = torch.ones(nbytes // 16 // 4, dtype=torch.float32)  # 16 MiB: past the caches
+        copies = [_HostCopy(t, None)]  # the process's first large copies fault their pages in: not timed
+        copies.pop().fetch(None)
+        out = _timed(lambda: copies.append(_HostCopy(t, None)), device, 7)
+        back = _timed(lambda: copies.pop().fetch(None), device, 6)
+        return t.numel() * 4 / max(out, back)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     d2h = _timed(lambda: host.copy_(dev, non_blocking=True), device, 3)
@@ -281,8 +290,9 @@ def profile_model(
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.exists():
             return ModelProfile.from_dict(json.loads(path.read_text()))
+    configured_link = link_bytes_per_s
     if link_bytes_per_s is None:
-        link_bytes_per_s = measure_link(device) if device.type == "cuda" else DEFAULT_CPU_LINK
+        link_bytes_per_s = measure_link(device)
     block = profile_block(cfg, micro_batch, seq, precision, device, repeats)
     hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats)
     prof = ModelProfile(
@@ -291,9 +301,10 @@ def profile_model(
         head_fwd_s=hf, head_bwd_s=hb, head_held=hheld, head_peak=hpeak,
         link_bytes_per_s=float(link_bytes_per_s),
         shared_bytes=float(2 * seq * cfg.rotary_dims * 4),  # cos and sin, fp32, made once per forward
+        overlap=device.type == "cuda",  # a copy stream beside compute; the CPU copies on its own cores
         meta={"micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device),
               "n_layers": cfg.n_layers, "d_model": cfg.d_model, "optimizer": optimizer,
-              "link_measured": device.type == "cuda"},
+              "link_measured": configured_link is None},
     )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
