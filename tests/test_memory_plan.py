@@ -15,12 +15,15 @@ MB = 2.0**20
 
 def synthetic_block(rng: random.Random, units_per_branch: int = 2) -> BlockProfile:
     """Random but physically shaped: each branch saves some units (keep or offload them) and has as
-    many op units (cache or recompute them); recomputing a whole branch lowers its own peaks."""
+    many op units (cache or recompute them); recomputing a whole branch lowers its own peaks, and a
+    checkpoint costs a fixed overhead, a selective one more."""
     a = rng.uniform(1, 4) * MB
     units = [Unit("x", "input", a, a, users=("attn", "mlp"))]
     fwd = 0.0
     full = a
+    recompute = {}
     for br in ("attn", "mlp"):
+        ops = 0.0
         for k in range(units_per_branch):
             s = rng.uniform(2, 10) * MB
             units.append(Unit(f"{br}.s{k}", "saved", s, s * rng.uniform(0.7, 1.0)))
@@ -28,12 +31,15 @@ def synthetic_block(rng: random.Random, units_per_branch: int = 2) -> BlockProfi
             units.append(Unit(f"{br}.o{k}", "op", s * rng.uniform(0.8, 1.5), time_s=t))
             full += s
             fwd += t
+            ops += t
+        over = rng.uniform(0.05, 0.3) * 1e-3
+        recompute[br] = {"plain": ops + over, "sac": ops + 2 * over, "sac_all": 2 * over}
     peaks = {}
     for am in ("keep", "recompute"):
         for mm in ("keep", "recompute"):
             cut = (0.3 if am == "recompute" else 0.0) + (0.4 if mm == "recompute" else 0.0)
             peaks[f"{am}/{mm}"] = [full * (1 - cut) + a, full * (1 - cut) + 2 * a]
-    return BlockProfile(fwd, 2 * fwd, a, units, peaks)
+    return BlockProfile(fwd, 2 * fwd, a, units, peaks, recompute=recompute)
 
 
 def synthetic(n: int, seed: int, link_mb_s: float = 2000.0, units_per_branch: int = 2) -> ModelProfile:

@@ -125,7 +125,7 @@ def probe(
         if memory_plans is not None:
             from hetforge.memory.executor import apply_plan
 
-            apply_plan(model, plan_at(b).plan)
+            apply_plan(model, plan_at(b).plan, measure=False)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for i in range(steps + 1):  # first is warm-up

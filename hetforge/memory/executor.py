@@ -15,6 +15,7 @@ memory meter sees it leave as it would leave a GPU; the link itself is modelled 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -180,6 +181,9 @@ class PlanRunner:
         self._state: dict[int, _BlockState] = {}
         self._in_segment: set[int] = set()
         self._handles: list = []  # the labeller's module hooks, removed when the plan is replaced
+        # Count every saved byte in the ledger. Off, blocks that only keep or recompute run without
+        # the saved-tensor hooks (their Python cost per tensor); the training loop measures one step.
+        self.measure = True
 
     # --- saved-tensor hooks ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -287,33 +291,45 @@ class PlanRunner:
         st.alive.clear()
         return out
 
+    def _hooked(self, i: int) -> bool:
+        """Whether block i runs under the saved-tensor hooks: to offload, or to count its bytes."""
+        d = self.decisions[i]
+        offloads = d.offload_inputs or any(d.branch(b).mode == "keep" and d.branch(b).units for b in BRANCHES)
+        return self.measure or bool(offloads)
+
     def __call__(self, layers, x, cos, sin):
         self._state = {}
         self._in_segment = set()
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            i, n = 0, len(layers)
-            while i < n:
-                if i in self.segments:
-                    s, e = i, self.segments[i]
-                    self._in_segment = set(range(s, e))
+        i, n = 0, len(layers)
+        while i < n:
+            if i in self.segments:
+                s, e = i, self.segments[i]
+                self._in_segment = set(range(s, e))
 
-                    def seg(h, s=s, e=e):
-                        for j in range(s, e):
-                            h = self._block(layers, j, h, cos, sin)
-                        return h
+                def seg(h, s=s, e=e):
+                    for j in range(s, e):
+                        h = self._block(layers, j, h, cos, sin)
+                    return h
 
+                with self._hooks(s):
                     x = (checkpoint(seg, x, use_reentrant=False, preserve_rng_state=self.random)
                          if torch.is_grad_enabled() else seg(x))
-                    self._in_segment = set()
-                    i = e
-                    continue
+                self._in_segment = set()
+                i = e
+                continue
+            with self._hooks(i):
                 x = self._block(layers, i, x, cos, sin)
-                if i > 0 and len(self._state[i - 1].copies) and x.requires_grad:
-                    # B_i is about to start when this gradient arrives: bring block i-1 back now
-                    x.register_hook(lambda g, b=i - 1: (self._prefetch(b), g)[1])
-                i += 1
+            if i > 0 and len(self._state[i - 1].copies) and x.requires_grad:
+                # B_i is about to start when this gradient arrives: bring block i-1 back now
+                x.register_hook(lambda g, b=i - 1: (self._prefetch(b), g)[1])
+            i += 1
         self._branch = None
         return x
+
+    def _hooks(self, i: int):
+        if self._hooked(i):
+            return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return contextlib.nullcontext()
 
     def install_labels(self, layers) -> list:
         return [h for block in layers for h in self.labeller.install(block)]
@@ -323,9 +339,9 @@ def parameter_storages(model: torch.nn.Module) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
-def apply_plan(model: torch.nn.Module, plan: Plan | None) -> PlanRunner | None:
+def apply_plan(model: torch.nn.Module, plan: Plan | None, measure: bool = True) -> PlanRunner | None:
     """Install `plan` on a hetforge GPTNeoX (or remove any plan with None). Returns the runner,
-    whose ledger measures the saved-activation bytes of each step."""
+    whose ledger measures the saved-activation bytes of each step while `runner.measure` is on."""
     core = getattr(model, "module", model)
     old = core.block_runner
     for h in getattr(old, "_handles", []):
@@ -337,5 +353,6 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None) -> PlanRunner | None:
         raise ValueError(f"plan is for {len(plan.options)} blocks, the model has {len(core.layers)}")
     runner = PlanRunner(plan, parameter_storages(core), core.cfg.parallel_residual, random=core.cfg.dropout > 0)
     runner._handles = runner.install_labels(core.layers)
+    runner.measure = measure
     core.block_runner = runner
     return runner

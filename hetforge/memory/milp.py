@@ -109,11 +109,25 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             host = host + _c(u.host_bytes / MIB, o)
         else:
             held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch])
-    for v in blk.of("op"):
-        c = cache[v.name] = h.addBinary()
-        h.addConstr(c - r[v.branch] <= 0)
-        cached = cached + _c(v.bytes / MIB, c)
-        rec = rec + _c(v.time_s * MS, r[v.branch]) - _c(v.time_s * MS, c)
+    for br in BRANCHES:
+        # A recomputed branch costs its plain checkpoint; caching any op unit switches it to selective
+        # checkpointing (`sac`: fixed cost, then each cached unit saves its time).
+        ops = blk.of("op", br)
+        fixed = blk.recompute.get(br)
+        plain = fixed["plain"] if fixed else sum(v.time_s for v in ops)
+        sac = fixed["sac"] if fixed else sum(v.time_s for v in ops)
+        rec = rec + _c(plain * MS, r[br])
+        if not ops:
+            continue
+        sel = h.addBinary()  # selective checkpointing in use
+        h.addConstr(sel - r[br] <= 0)
+        for v in ops:
+            c = cache[v.name] = h.addBinary()
+            h.addConstr(c - sel <= 0)
+            cached = cached + _c(v.bytes / MIB, c)
+            rec = rec - _c(v.time_s * MS, c)
+        h.addConstr(sel - sum(cache[v.name] for v in ops) <= 0)
+        rec = rec + _c((sac - plain) * MS, sel)
     for x in blk.of("input"):
         on = h.addVariable(lb=0, ub=1)
         o = h.addBinary() if menu.offload else None

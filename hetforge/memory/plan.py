@@ -144,6 +144,11 @@ class BlockProfile:
     units: list[Unit]
     peaks: dict[str, list[float]]  # "attn mode/mlp mode" -> [forward peak, backward peak]
     tensors: list[dict] = field(default_factory=list)  # per saved tensor: unit, shape, bytes
+    # Per branch, seconds a recomputed branch adds to the step, as measured: by a plain checkpoint
+    # ("plain"), by selective checkpointing caching nothing ("sac") or every op unit ("sac_all").
+    # A branch caching units S costs sac_all + the time of the op units not in S (the units' times
+    # add up to sac - sac_all). Without these figures a branch costs just its units' time.
+    recompute: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._costs: dict[str, OptionCost] = {}
@@ -196,11 +201,14 @@ class BlockProfile:
                     else:
                         held += u.bytes
             else:
-                for u in self.of("op", br):
-                    if u.name in bp.units:
-                        cached += u.bytes
-                    else:
-                        rec += u.time_s
+                ops = self.of("op", br)
+                hit = [u for u in ops if u.name in bp.units]
+                cached += sum(u.bytes for u in hit)
+                fixed = self.recompute.get(br)
+                if fixed is not None and not hit:
+                    rec += fixed["plain"]
+                else:
+                    rec += (fixed["sac_all"] if fixed else 0.0) + sum(u.time_s for u in ops if u not in hit)
         for u in self.of("input"):
             keepers = [b for b in u.users if d.branch(b).mode == "keep"]
             holders = [b for b in u.users if d.branch(b).mode == "recompute"]
@@ -241,7 +249,7 @@ class ModelProfile:
             BlockProfile(
                 b["fwd_s"], b["bwd_s"], b["input_bytes"],
                 [Unit(**{**u, "users": tuple(u["users"])}) for u in b["units"]],
-                b["peaks"], b.get("tensors", []),
+                b["peaks"], b.get("tensors", []), b.get("recompute", {}),
             )
             for b in d["blocks"]
         ]

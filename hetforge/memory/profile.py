@@ -8,7 +8,8 @@ and repeated n times: profiling forge-l needs one block's memory, not 22B parame
 come from the executor's ledger (saved-tensor hooks, per storage) and op outputs from a dispatch
 mode, so both are exact; peaks come from `PeakMeter` (the CUDA allocator's statistics, or the
 profiler's allocation events on the CPU). An op unit's time is the branch's measured forward time
-shared out over its ops in proportion to their clocked times. Profiles are cached per (model,
+shared out over its ops in proportion to their clocked times; a recomputed branch's fixed costs
+(the checkpoint, selective checkpointing's per-op dispatch) are measured by running it. Profiles are cached per (model,
 micro-batch, seq, precision, device, link).
 """
 
@@ -29,14 +30,15 @@ from torch.utils._pytree import tree_leaves
 
 from hetforge.memory.executor import ActivationLedger, PlanRunner, input_users, parameter_storages
 from hetforge.memory.measure import PeakMeter
-from hetforge.memory.plan import BRANCHES, BlockProfile, ModelProfile, Plan, Unit, resolve_option
+from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
+                                  resolve_option)
 from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.presets import count_parameters
 from hetforge.train.precision import DTYPES, Precision
 
 OPTIMIZER_BYTES = {"adamw": 8, "lamb": 8, "sgd": 0}
-PROFILE_VERSION = 4
+PROFILE_VERSION = 6
 
 
 def _sync(device: torch.device) -> None:
@@ -179,7 +181,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
             units = _saved_units(saved, users)
             tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
 
-    # Op units: what each op group produces and how long it takes, per branch.
+    # Op units: what each op group produces, and its share of its branch's forward time.
     def branch_fwd(name):
         def go():
             x = x0.detach().requires_grad_(True)
@@ -187,7 +189,6 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
                 block.attn_branch(x, cos, sin) if name == "attn" else block.mlp_branch(x)
         return go
 
-    branch_s = {br: _timed(branch_fwd(br), device, repeats) for br in BRANCHES}
     labeller = Labeller()
     handles = labeller.install(block)
     clocks = []
@@ -200,17 +201,58 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         clocks.append(clock)
     for hd in handles:
         hd.remove()
+
+    # Recomputation as it runs, overheads included: per branch the step's extra time over keep-all
+    # when a plain checkpoint recomputes it, when selective checkpointing caches nothing, and when it
+    # caches every op unit (its dispatch overhead alone). The unit shares split the difference.
+    variants = {"keep": "keep"}
     for br in BRANCHES:
-        # the branch's measured time, shared out over its ops in proportion to their clocked times
+        names = frozenset(n for n in clocks[0].bytes if n.startswith(br + "."))
+        other = BranchPlan("keep")
+        for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
+            bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
+            variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
+    step = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device, max(2 * repeats, 7))
+    recompute = {}
+    for br in BRANCHES:
         names = [n for n in clocks[0].bytes if n.startswith(br + ".")]
-        total = statistics.median(sum(t for n, t in c.time.items() if n.startswith(br + ".") or n == "")
-                                  for c in clocks) or 1.0
+        plain, sac_all, sac = (max(0.0, step[f"{br}/{k}"] - step["keep"]) for k in ("plain", "sac_all", "sac"))
+        sac = max(sac, sac_all)
+        recompute[br] = {"plain": plain, "sac": sac, "sac_all": sac_all}
+        weights = {n: statistics.median(c.time.get(n, 0.0) for c in clocks) for n in names}
+        total = sum(weights.values()) or 1.0
         for n in names:
-            t = statistics.median(c.time.get(n, 0.0) for c in clocks)
-            units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=branch_s[br] * t / total))
+            units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=(sac - sac_all) * weights[n] / total))
 
     fwd_s, bwd_s = _fwd_bwd_times(block, x0, grad, cos, sin, ac, device, repeats)
-    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors)
+    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute)
+
+
+def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin, ac, device,
+                rounds: int) -> dict[str, float]:
+    """Median forward + backward time of the block under each option, the options interleaved
+    round by round so that a shared machine's drift hits them alike (their differences matter)."""
+    runners = {}
+    for k, option in variants.items():
+        runners[k] = PlanRunner(Plan([option]), params, cfg.parallel_residual, random=cfg.dropout > 0)
+        runners[k].measure = False
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for r in range(rounds + 1):
+        for k, runner in runners.items():
+            handles = runner.install_labels([block])
+            x = x0.detach().requires_grad_(True)
+            _sync(device)
+            t0 = time.perf_counter()
+            with ac():
+                out = runner([block], x, cos, sin)
+            out.backward(grad)
+            _sync(device)
+            if r:  # the first round warms up
+                times[k].append(time.perf_counter() - t0)
+            for hd in handles:
+                hd.remove()
+    block.zero_grad(set_to_none=False)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _fwd_bwd_times(block, x0, grad, cos, sin, ac, device, repeats) -> tuple[float, float]:

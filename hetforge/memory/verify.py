@@ -30,6 +30,7 @@ class PlanCheck:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # accumulating onto zeros changes no value
+        self.runner.measure = True
         self.runner.ledger.reset_peaks()
         self._meter = PeakMeter(self.device).__enter__()
         return True
@@ -37,6 +38,7 @@ class PlanCheck:
     def after(self, compute_s: float, samples: int) -> tuple[dict, list[str]]:
         self.done = True
         self._meter.__exit__(None, None, None)
+        self.runner.measure = False
         pred = self.dp.prediction
         rec = {
             "event": "memory_plan_check",

@@ -210,7 +210,7 @@ def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
     dp = plan_for_config(cfg, model_cfg, device, micro, device_memory_bytes(rank_device(cfg.cluster, ctx), device),
                          run_dir / "memory")
     budget = dp.budget
-    runner = apply_plan(model, dp.plan)
+    runner = apply_plan(model, dp.plan, measure=False)  # the check measures one step
     p = dp.prediction
     msg = (f"rank {ctx.rank} memory plan ({dp.plan.strategy}, budget "
            f"{format_bytes(budget) if budget else 'none'}, micro-batch {micro}): {dp.summary()} | predicted peak "
