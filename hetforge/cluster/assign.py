@@ -56,7 +56,8 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
     return BalancePlan(B, "single", [RankShare(0, "localhost", "local", None, 0.0, b, B, parts, 0.0)])
 
 
-def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path):
+def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path,
+                    backend: str):
     from hetforge.memory.device_plan import plan_for_config
     from hetforge.memory.milp import PlanError
 
@@ -64,7 +65,7 @@ def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memo
 
     def at(b: int):
         try:
-            return plan_for_config(cfg, core.cfg, device, b, memory, run_dir / "memory")
+            return plan_for_config(cfg, core.cfg, device, b, memory, run_dir / "memory", backend)
         except PlanError as err:
             return err
 
@@ -96,7 +97,7 @@ def plan_for_run(
     all_declared = all(r["declared"] for r in reports)
     memory_plans = None
     if cfg.memory.active:  # the balancer sees each device's planned (recompute/offload) step
-        memory_plans = _memory_planner(cfg, model, device, memory, run_dir)
+        memory_plans = _memory_planner(cfg, model, device, memory, run_dir, ctx.backend)
     tm, facts = probe(model, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
                       Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
                       memory_plans)

@@ -151,13 +151,15 @@ class BalancePlan:
     def table(self, title: str = "batch balance"):
         from rich.table import Table
 
+        from hetforge.memory.plan import format_bytes
+
         t = Table(title=f"{title} ({self.mode}): global batch {self.global_batch}, "
                         f"predicted step {self.predicted_step_s * 1e3:.1f} ms")
         for col in ("rank", "host", "device", "memory", "samples/s", "micro-batch", "accum", "share",
                     "predicted"):
             t.add_column(col, justify="right" if col not in ("host", "device") else "left")
         for s in self.shares:
-            t.add_row(str(s.rank), s.host, s.device, f"{s.memory_gb:.1f} GB" if s.memory_gb else "-",
+            t.add_row(str(s.rank), s.host, s.device, format_bytes(s.memory_gb * 2**30) if s.memory_gb else "-",
                       f"{s.samples_per_s:,.1f}", str(s.micro_batch_size), str(s.grad_accum),
                       f"{s.samples} ({s.samples / self.global_batch:.0%})", f"{s.predicted_s * 1e3:.1f} ms")
         return t

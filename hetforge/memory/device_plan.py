@@ -14,7 +14,7 @@ import torch
 
 from hetforge.memory.milp import PlanError, plan_for_strategy
 from hetforge.memory.plan import ModelProfile, Plan, Prediction, parse_size, simulate
-from hetforge.memory.profile import profile_model
+from hetforge.memory.profile import profile_model, static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PROFILE_CACHE = Path("data_cache") / "memory_profiles"
@@ -51,26 +51,39 @@ def resolve_budget(mem_cfg, device_memory: float | None) -> float | None:
     return parse_size(mem_cfg.budget)
 
 
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+
+
+def comm_workspace(backend: str | None, grad_bytes: float) -> float:
+    """Bytes the gradient all-reduce allocates during the backward: gloo copies each bucket (DDP's
+    default cap, 25 MiB, or all the gradients if fewer); NCCL reduces the buckets in place."""
+    return float(min(grad_bytes, DDP_BUCKET_BYTES)) if backend == "gloo" else 0.0
+
+
 def plan_device(
     model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, micro_batch: int,
     budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
+    workspace_bytes: float = 0.0,
 ) -> DevicePlan:
     """Raises PlanError (naming the smallest feasible budget) when nothing fits."""
     link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
     prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
+    prof.workspace_bytes = workspace_bytes
     plan = plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s)
     keep = simulate(prof, Plan(["keep"] * model_cfg.n_layers, "keep-all"))
     return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof)
 
 
 def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,
-                    device_memory: float | None, cache_dir: Path | None) -> DevicePlan:
-    """`plan_device` with the budget, precision and optimizer a run config gives for this device."""
+                    device_memory: float | None, cache_dir: Path | None, backend: str | None = None) -> DevicePlan:
+    """`plan_device` with the budget, precision and optimizer a run config gives for this device,
+    and the all-reduce workspace of a distributed run on `backend`."""
     from hetforge.train.precision import resolve_precision
 
+    prof_static = static_bytes(model_cfg, cfg.train.optimizer)
     return plan_device(model_cfg, cfg.memory, cfg.train.seq_len, resolve_precision(cfg.train.precision, device),
                        device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer,
-                       cache_dir)
+                       cache_dir, comm_workspace(backend, prof_static["gradients"]))
 
 
 def feasible_plans(

@@ -193,7 +193,7 @@ def _build(profile: ModelProfile, menu: Menu, budget: float):
              for b in blocks]
     held, host, rec = ([t[k] for t in terms] for k in ("held", "host", "rec"))
 
-    limit = (budget - profile.static_bytes - profile.shared_bytes) / MIB
+    limit = (budget - profile.base_bytes) / MIB
     prefix = [0.0]  # held MiB by blocks < k
     for k in range(n):
         p = h.addVariable(lb=0)

@@ -77,7 +77,7 @@ def _menus(profile: ModelProfile, menu) -> list[tuple[list[str], np.ndarray]]:
 
 def feasible_plan(profile: ModelProfile, menu, budget: float) -> Plan | None:
     """Some plan whose peak is within `budget` (the one holding least), or None if none is."""
-    names = _feasible(_menus(profile, menu), profile.head_peak, budget - profile.static_bytes - profile.shared_bytes,
+    names = _feasible(_menus(profile, menu), profile.head_peak, budget - profile.base_bytes,
                       profile.overlap)
     return Plan(names, "feasible") if names is not None else None
 
@@ -86,7 +86,7 @@ def minimum_peak(profile: ModelProfile, menu) -> tuple[float, Plan]:
     """The smallest peak any plan on `menu` reaches, and that plan."""
     menus = _menus(profile, menu)
     n = len(profile.blocks)
-    hi = simulate(profile, Plan(["keep"] * n)).peak_bytes - profile.static_bytes - profile.shared_bytes
+    hi = simulate(profile, Plan(["keep"] * n)).peak_bytes - profile.base_bytes
     lo = max([profile.head_peak] + [float(c[:, 2:].max(axis=1).min()) for _, c in menus]) - 1.0
     best = _feasible(menus, profile.head_peak, hi, profile.overlap) or ["keep"] * n
     while hi - lo > max(1.0, 1e-9 * hi):

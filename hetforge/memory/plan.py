@@ -232,6 +232,8 @@ class ModelProfile:
     link_bytes_per_s: float  # host <-> device copy bandwidth (measured on GPU, configured on CPU)
     meta: dict = field(default_factory=dict)
     shared_bytes: float = 0.0  # activations alive all step that no block owns (the rotary tables)
+    # transient buffers outside the model, e.g. gloo's copy of a gradient bucket while it all-reduces
+    workspace_bytes: float = 0.0
     # Copies run beside compute (a GPU's copy stream) or on the compute's own cores (the CPU: the
     # copy out is paid in the block's forward, the copy back in the backward that prefetches it).
     overlap: bool = True
@@ -239,6 +241,11 @@ class ModelProfile:
     @property
     def static_bytes(self) -> float:
         return sum(self.static.values())
+
+    @property
+    def base_bytes(self) -> float:
+        """What every stage of the step holds whatever the plan: static, shared and workspace."""
+        return self.static_bytes + self.shared_bytes + self.workspace_bytes
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -325,11 +332,12 @@ def simulate(profile: ModelProfile, plan: Plan) -> Prediction:
 
     def record(stage: str, dur: float, own: float, neighbour: float, prefix_: float) -> None:
         nonlocal peak, peak_at
-        mem = static + profile.shared_bytes + prefix_ + neighbour + own
+        mem = profile.base_bytes + prefix_ + neighbour + own
         timeline.append((stage, dur, mem))
         if mem > peak:
             peak = mem
-            peak_at = {**profile.static, "rotary tables": profile.shared_bytes, "activations held": prefix_,
+            peak_at = {**profile.static, "rotary tables": profile.shared_bytes, "workspace": profile.workspace_bytes,
+                       "activations held": prefix_,
                        "transfer buffers": neighbour, f"{stage} working set": own}
 
     lap = profile.overlap

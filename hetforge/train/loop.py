@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetforge.cluster.assign import PLAN_FILE, DriftMonitor, plan_for_run
 from hetforge.cluster.dist import (
     DistContext,
+    all_gather_object,
     all_gather_rows,
     barrier,
     broadcast_object,
@@ -197,9 +198,15 @@ def train(
 
 
 def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
-    """Plan this rank's activations for the micro-batch it was given (and install the plan)."""
+    """Plan this rank's activations for the micro-batch it was given (and install the plan); the
+    main rank prints every rank's plan side by side and saves them to RUN/memory/plans.json."""
     if not cfg.memory.active:
         return None
+    import json
+
+    from rich.markup import escape
+    from rich.table import Table
+
     from hetforge.cluster.spec import device_memory_bytes
     from hetforge.memory.device_plan import plan_for_config
     from hetforge.memory.executor import apply_plan
@@ -208,16 +215,26 @@ def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
 
     micro = plan.shares[ctx.rank].micro_batch_size or 1
     dp = plan_for_config(cfg, model_cfg, device, micro, device_memory_bytes(rank_device(cfg.cluster, ctx), device),
-                         run_dir / "memory")
-    budget = dp.budget
+                         run_dir / "memory", ctx.backend if ctx.distributed else None)
     runner = apply_plan(model, dp.plan, measure=False)  # the check measures one step
     p = dp.prediction
-    msg = (f"rank {ctx.rank} memory plan ({dp.plan.strategy}, budget "
-           f"{format_bytes(budget) if budget else 'none'}, micro-batch {micro}): {dp.summary()} | predicted peak "
-           f"{format_bytes(p.peak_bytes)}, activations held {format_bytes(p.held_bytes)}, step "
-           f"{p.time_s * 1e3:.1f} ms ({p.time_s / dp.keep_all.time_s:.3f}x keep-all)")
+    mine = {"rank": ctx.rank, "device": plan.shares[ctx.rank].device, "micro_batch": micro, "budget": dp.budget,
+            "strategy": dp.plan.strategy, "plan": dp.summary(), "options": dp.plan.options,
+            "predicted_peak_bytes": p.peak_bytes, "predicted_held_bytes": p.held_bytes,
+            "predicted_step_s": p.time_s, "keep_all_step_s": dp.keep_all.time_s}
+    rows = all_gather_object(ctx, mine)
     if ctx.is_main:
-        say(msg)
+        t = Table(title="memory plan per rank (predicted for one micro-batch)")
+        for col in ("rank", "device", "budget", "micro-batch", "plan", "peak", "held", "step ms", "vs keep-all"):
+            t.add_column(col, justify="left" if col in ("device", "plan") else "right")
+        for r in rows:
+            t.add_row(str(r["rank"]), r["device"], format_bytes(r["budget"]) if r["budget"] else "none",
+                      str(r["micro_batch"]), escape(r["plan"]), format_bytes(r["predicted_peak_bytes"]),
+                      format_bytes(r["predicted_held_bytes"]), f"{r['predicted_step_s'] * 1e3:.1f}",
+                      f"{r['predicted_step_s'] / r['keep_all_step_s']:.3f}x")
+        say(t)
+        (run_dir / "memory").mkdir(parents=True, exist_ok=True)
+        (run_dir / "memory" / "plans.json").write_text(json.dumps(rows, indent=1))
     return PlanCheck(dp, runner, device, cfg.memory.verify_tolerance)
 
 
@@ -287,7 +304,9 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     check = _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say)
     net, clock = model, None
     if ctx.distributed:
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradients as views of DDP's buckets: one copy of them, not two
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True)
         if device.type == "cpu":  # on a GPU the host-side note would run ahead of the kernels
             clock = BucketClock()
             net.register_comm_hook(None, clock.hook)
@@ -359,7 +378,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             mine = plan.micro_positions(ctx.rank, consumed)
-            checking = check is not None and check.before(steps_this_call, params)
+            checking = check is not None and check.before(steps_this_call, params, not ctx.distributed)
             step_loss, compute_s = backward_share(
                 net, train_samples, order, mine, consumed, tokens_per_step, ctx.world_size, precision, scaler,
                 device, after_forward=lambda seconds: slowdown.after_forward(seconds, step), clock=clock,
@@ -368,7 +387,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                 record, warnings = check.after(compute_s, sum(n for _, n in mine))
                 for w in warnings:
                     warn(f"rank {ctx.rank}: {w}")
-                if ctx.is_main:
+                if record is not None and ctx.is_main:
                     logger.log("event", step + 1, record)
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
