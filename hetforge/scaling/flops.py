@@ -25,6 +25,11 @@ def flops_per_token(n_layers: int, d_model: int, d_ff: int, vocab_size: int, seq
     return 6.0 * matmul_params(n_layers, d_model, d_ff, vocab_size) + 12.0 * n_layers * d_model * seq_len
 
 
+def block_forward_flops_per_token(n_layers: int, d_model: int, d_ff: int, seq_len: int) -> float:
+    """The transformer blocks' share of one token's forward: what recomputation repeats."""
+    return 2.0 * n_layers * (4 * d_model * d_model + 2 * d_model * d_ff) + 4.0 * n_layers * d_model * seq_len
+
+
 def measure_matmul_peak(
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, size: int | None = None,
     seconds: float = 1.0,

@@ -53,7 +53,7 @@ from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard
 from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
 from hetforge.evaluate.perplexity import EvalResult, batch_from_numpy, evaluate
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
-from hetforge.scaling.flops import flops_per_token, measure_matmul_peak
+from hetforge.scaling.flops import block_forward_flops_per_token, flops_per_token, measure_matmul_peak
 from hetforge.train.checkpoint import (
     CheckpointError,
     latest_valid,
@@ -314,6 +314,15 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     # ---- accounting
     n_params = model.num_parameters()
     fpt = flops_per_token(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size, tc.seq_len)
+    # Hardware FLOPs add the recomputation of this rank's memory plan: the share of the blocks'
+    # forward it repeats (by the planner's profiled times) times the blocks' forward FLOPs.
+    hw_fpt = fpt
+    if check is not None:
+        pred = check.dp.prediction
+        blocks_fwd = sum(b.fwd_s for b in check.dp.profile.blocks)
+        if blocks_fwd > 0:
+            hw_fpt += pred.breakdown_time["recompute"] / blocks_fwd * block_forward_flops_per_token(
+                model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, tc.seq_len)
     peak = tc.peak_tflops * 1e12 if tc.peak_tflops else measure_matmul_peak(device, precision.dtype)
     peak *= ctx.world_size  # MFU of the whole job against the sum of the ranks' peaks (rank 0's, x world)
     global_batch = plan.global_batch
@@ -437,7 +446,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                 if ctx.is_main:
                     record = {
                         "loss": mean_loss, "lr": lr, "grad_norm": synced[-1][2], **rate,
-                        "hfu": rate["mfu"], "peak_mem_mb": peak_memory_mb(device),
+                        "hfu": hw_fpt * tok_s / peak, "peak_mem_mb": peak_memory_mb(device),
                         "step_time_s": elapsed / interval_steps, "tokens": consumed * tc.seq_len,
                         "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
                     }
