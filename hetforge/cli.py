@@ -49,6 +49,40 @@ def _parser() -> argparse.ArgumentParser:
                    help="a cluster YAML (nodes: ...): plan every device type at its memory and micro-batch")
     p.add_argument("--out", default=None, help="directory for plan.json and the PNG (default RUN_DIR/memory)")
 
+    p = sub.add_parser("scale", help="scaling laws: run a sweep of small trainings, fit L(N, D) to it")
+    ssub = p.add_subparsers(dest="scale_command", required=True)
+    q = ssub.add_parser("sweep", help="train a grid of model sizes x token budgets (one after another)")
+    _add_config(q)
+    q.add_argument("--sizes", required=True, help="LAYERSxWIDTH or presets, comma-separated, e.g. 2x64,3x96,4x128")
+    q.add_argument("--tokens", required=True, help="token budgets, comma-separated, e.g. 100k,300k,1M")
+    q.add_argument("--out", default=None, help="directory for the runs (default RUN_DIR-sweep)")
+    q.add_argument("--print-commands", action="store_true",
+                   help="print one `hetforge train` command per run (for a scheduler) instead of running them")
+    q = ssub.add_parser("fit", help="fit L(N, D) = E + A/N^a + B/D^b to the finished runs of a directory")
+    q.add_argument("runs_dir")
+    q.add_argument("--holdout", action="append", default=[], metavar="RUN",
+                   help="leave this run out of the fit and predict it (repeatable)")
+    q.add_argument("--bootstrap", type=int, default=200, help="resamples for the confidence intervals (default 200)")
+    q.add_argument("--out", default=None, help="constants JSON (default RUNS_DIR/scaling_law.json; PNG beside it)")
+
+    p = sub.add_parser("report", help="what a run cost: FLOPs, tokens, MFU/HFU, wall time, energy")
+    p.add_argument("run_dir", help="a run directory (holding metrics.jsonl)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON only")
+
+    p = sub.add_parser("size", help="compute-optimal model and data size for a budget (Chinchilla law)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--compute", type=float, help="training FLOPs to spend, e.g. 1e20")
+    g.add_argument("--gpu-hours", type=float, help="device-hours to spend on --cluster (or --device)")
+    g.add_argument("--tokens", type=float, help="tokens available: the model size they are optimal for")
+    p.add_argument("--cluster", default=None, metavar="FILE", help="cluster YAML (nodes: ...): wall time and energy")
+    p.add_argument("--device", default=None, help="one device type instead of a cluster, e.g. A100-80GB")
+    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation to assume (default 0.40)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--law", default=None, metavar="JSON", help="fitted constants (hetforge scale fit); default Epoch AI")
+    p.add_argument("--vocab", type=int, default=52000, help="vocabulary size (default 52000, FORGE's)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--json", action="store_true", help="print the recommendation as JSON only")
+
     p = sub.add_parser("eval", help="perplexity and bits-per-byte of a checkpoint on a split")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid one)")
     p.add_argument("--split", default="val", choices=["val", "train"])
@@ -231,6 +265,179 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     return 0
 
 
+def cmd_scale(args) -> int:
+    return _scale_sweep(args) if args.scale_command == "sweep" else _scale_fit(args)
+
+
+def _scale_sweep(args) -> int:
+    import shlex
+
+    from hetforge.config import load_config
+    from hetforge.console import console
+    from hetforge.scaling.sweep import collect, plan_sweep, write_rows
+    from hetforge.train.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(args.out or f"{cfg.run_dir}-sweep")
+    runs = plan_sweep(args.sizes.split(","), args.tokens.split(","), cfg.train.global_batch_size * cfg.train.seq_len)
+    if args.print_commands:
+        for r in runs:
+            sets = " ".join(f"--set {shlex.quote(o)}" for o in list(args.overrides) + r.overrides(out, cfg.train.warmup_steps))
+            print(f"hetforge train {shlex.quote(args.config)} {sets}")
+        return 0
+    t0 = time.perf_counter()
+    for i, r in enumerate(runs, 1):
+        run_cfg = load_config(args.config, list(args.overrides) + r.overrides(out, cfg.train.warmup_steps))
+        console.print(f"[bold]sweep {i}/{len(runs)}: {r.name}[/bold] ({r.n_layers} layers, d={r.d_model}, "
+                      f"{r.tokens:,} tokens in {r.steps} steps)")
+        res = train(run_cfg)
+        if res.interrupted:
+            console.print("sweep interrupted; run it again to continue where it stopped")
+            return 128 + int(res.extra.get("signal") or 0)
+    rows = collect(out)
+    write_rows(rows, out / "sweep.jsonl")
+    console.print(f"sweep of {len(runs)} runs done in {time.perf_counter() - t0:.0f}s: {out / 'sweep.jsonl'}; "
+                  f"fit with `hetforge scale fit {out}`")
+    return 0
+
+
+def _scale_fit(args) -> int:
+    from rich.table import Table
+
+    from hetforge.console import console
+    from hetforge.scaling.fit import fit_law, plot_fit, save_fit
+    from hetforge.scaling.laws import ScalingError
+    from hetforge.scaling.sweep import collect
+
+    rows = collect(Path(args.runs_dir))
+    names = {r["name"] for r in rows}
+    missing = [h for h in args.holdout if h not in names]
+    if missing:
+        raise ScalingError(f"--holdout {', '.join(missing)}: no finished run of that name in {args.runs_dir} "
+                           f"(runs: {', '.join(sorted(names)) or 'none'})")
+    held = [r for r in rows if r["name"] in args.holdout]
+    used = [r for r in rows if r["name"] not in args.holdout]
+    fit = fit_law([r["params"] for r in used], [r["tokens"] for r in used], [r["loss"] for r in used],
+                  bootstrap=args.bootstrap, source=f"fit to {len(used)} runs in {args.runs_dir}")
+    law = fit.law
+    for r in used + held:
+        r["fitted"] = law.loss(r["params"], r["tokens"])
+        r["error"] = r["fitted"] / r["loss"] - 1
+    for r in held:
+        r["interval_90"] = fit.predict_interval(r["params"], r["tokens"])
+    out = Path(args.out or Path(args.runs_dir) / "scaling_law.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_fit(fit, out, used, held)
+    png = plot_fit(fit, used, out.with_suffix(".png"), held)
+    t = Table(title=f"L(N, D) = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4f} + {law.B:.4g}/D^{law.beta:.4f}")
+    for col in ("run", "N", "D", "measured loss", "fitted loss", "error"):
+        t.add_column(col, justify="left" if col == "run" else "right")
+    for r in used + held:
+        t.add_row(r["name"] + ("  (held out)" if r in held else ""), f"{r['params']:,}", f"{r['tokens']:,}",
+                  f"{r['loss']:.4f}", f"{r['fitted']:.4f}", f"{r['error']:+.2%}")
+    console.print(t)
+    if fit.bootstrap:
+        console.print("90% intervals (" + str(len(fit.bootstrap)) + " bootstrap fits): " + ", ".join(
+            f"{k} [{fit.interval(k)[0]:.4g}, {fit.interval(k)[1]:.4g}]" for k in ("E", "A", "B", "alpha", "beta")))
+    for r in held:
+        lo, hi = r["interval_90"]
+        console.print(f"held out {r['name']}: predicted {r['fitted']:.4f} (90% [{lo:.4f}, {hi:.4f}]), measured "
+                      f"{r['loss']:.4f}, error {r['error']:+.2%}")
+    console.print(f"constants: {out}   plot: {png}   (use with `hetforge size --law {out}`)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from hetforge.config import ConfigError
+    from hetforge.console import console
+    from hetforge.scaling.accounting import report_table, run_report, write_report
+    from hetforge.train.metrics import plot_loss_curve
+
+    run = Path(args.run_dir)
+    if not (run / "metrics.jsonl").is_file():
+        raise ConfigError(f"{run}: not a run directory (no metrics.jsonl)")
+    try:
+        rep = run_report(run)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    plot_loss_curve(run / "metrics.jsonl", rep["loss_curve"], title=run.name)
+    write_report(run)
+    if args.json:
+        print(json.dumps(rep))
+    else:
+        console.print(report_table(rep))
+    return 0
+
+
+def cmd_size(args) -> int:
+    from rich.table import Table
+
+    from hetforge.config import ClusterConfig
+    from hetforge.console import console
+    from hetforge.cluster.spec import cluster_nodes
+    from hetforge.scaling.laws import EPOCH, LossLaw, ScalingError
+    from hetforge.scaling.sizing import cluster_rate, recommend
+
+    if not 0 < args.mfu <= 1:
+        raise ScalingError(f"--mfu must be in (0, 1] (got {args.mfu})")
+    law = LossLaw.load(args.law) if args.law else EPOCH
+    rate = None
+    if args.cluster or args.device:
+        if args.cluster:
+            kinds = [(d.type, d.memory_gb, d.count) for node in cluster_nodes(ClusterConfig(file=args.cluster))
+                     for d in node.devices]
+        else:
+            kinds = [(args.device, None, 1)]
+        rate = cluster_rate(kinds, args.mfu, args.precision)
+    compute = args.compute
+    if args.gpu_hours is not None:
+        if rate is None:
+            raise ScalingError("--gpu-hours needs --cluster FILE or --device NAME: what the hours run on")
+        wall = args.gpu_hours / rate.count * 3600.0  # every device of the cluster, for this long
+        compute = wall * rate.flops_per_s
+    best, rows = recommend(law, args.vocab, args.seq, compute=compute, tokens=args.tokens)
+    budget = compute if compute is not None else 6.0 * best.params * best.tokens
+
+    def cost(o):
+        if rate is None:
+            return None, None
+        wall = o.flops / rate.flops_per_s
+        return wall, wall * rate.power_w
+
+    if args.json:
+        out = []
+        for o in rows:
+            wall, energy = cost(o)
+            out.append({"params": o.params, "tokens": o.tokens, "tokens_per_param": o.tokens_per_param,
+                        "loss": o.loss, "flops": o.flops, "shape": o.shape.__dict__, "wall_s": wall,
+                        "energy_j": energy, "optimal": o is best})
+        print(json.dumps({"law": law.to_dict(), "compute": budget, "preset": best.preset,
+                          "cluster": rate.describe() if rate else None, "options": out}))
+        return 0
+    s_ = best.shape
+    console.print(f"budget {budget:.3g} FLOPs (C = 6ND), law L = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4g} + "
+                  f"{law.B:.4g}/D^{law.beta:.4g} ({law.source})")
+    if rate is not None:
+        console.print(f"cluster: {rate.describe()}, {rate.power_w / 1e3:,.1f} kW at board power")
+    console.print(f"compute-optimal: [bold]{best.params / 1e6:,.1f}M parameters on {best.tokens / 1e9:,.2f}B tokens[/bold] "
+                  f"({best.tokens_per_param:.1f} tokens/param), predicted loss {best.loss:.3f}")
+    console.print(f"build: n_layers={s_.n_layers} d_model={s_.d_model} n_heads={s_.n_heads} d_ff={s_.d_ff} "
+                  f"(vocab {args.vocab}, seq {args.seq}); nearest preset: {best.preset}")
+    t = Table(title="the same budget at other sizes")
+    for col in ("params", "tokens", "tokens/param", "shape (L x d)", "predicted loss", "FLOPs (6N + attn)",
+                "wall time", "energy"):
+        t.add_column(col, justify="right")
+    for o in rows:
+        wall, energy = cost(o)
+        mark = " *" if o is best else ""
+        t.add_row(f"{o.params / 1e6:,.1f}M{mark}", f"{o.tokens / 1e9:,.2f}B", f"{o.tokens_per_param:,.1f}",
+                  f"{o.shape.n_layers} x {o.shape.d_model}", f"{o.loss:.3f}", f"{o.flops:.3g}",
+                  f"{wall / 3600:,.1f} h" if wall is not None else "-",
+                  f"{energy / 3.6e9:,.2f} MWh" if energy is not None else "-")
+    console.print(t)
+    return 0
+
+
 def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
     from hetforge.data.shards import PackedSamples, TokenShard
     from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
@@ -306,8 +513,9 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "plan": cmd_plan, "eval": cmd_eval, "generate": cmd_generate,
-            "demo": cmd_demo}
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "plan": cmd_plan, "size": cmd_size, "report": cmd_report,
+            "scale": cmd_scale,
+            "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,6 +167,7 @@ class DeviceSpec(_Strict):
     count: int = Field(1, ge=1)
     memory_gb: float | None = Field(None, gt=0)
     speed: float | None = Field(None, gt=0)  # relative samples/s; used instead of measuring
+    power_w: float | None = Field(None, gt=0)  # for the energy estimate; default the GPU model's board power
     slowdown: float = Field(1.0, ge=1.0)
     slowdown_from_step: int = Field(0, ge=0)
 

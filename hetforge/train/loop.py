@@ -45,7 +45,7 @@ from hetforge.cluster.dist import (
     init_distributed,
     shutdown,
 )
-from hetforge.cluster.spec import Slowdown, rank_device
+from hetforge.cluster.spec import Slowdown, device_name, rank_device
 from hetforge.config import RunConfig, dump_config
 from hetforge.console import console, make_progress, warn
 from hetforge.data.prepare import prepare
@@ -53,7 +53,8 @@ from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard
 from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
 from hetforge.evaluate.perplexity import EvalResult, batch_from_numpy, evaluate
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
-from hetforge.scaling.flops import block_forward_flops_per_token, flops_per_token, measure_matmul_peak
+from hetforge.scaling.accounting import PowerMeter, rank_power, write_report
+from hetforge.scaling.flops import block_forward_flops_per_token, flops_per_token, matmul_params, measure_matmul_peak
 from hetforge.train.checkpoint import (
     CheckpointError,
     latest_valid,
@@ -369,6 +370,19 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                         precision.autocast, ctx.rank, ctx.world_size, reduce_sum if ctx.distributed else None)
 
     logger = MetricsLogger(run_dir, tensorboard=tc.tensorboard) if ctx.is_main else None
+    # What this invocation runs on, once: the report (hetforge report) derives FLOPs, utilisation,
+    # wall time and energy from it and the train records.
+    spec = rank_device(cfg.cluster, ctx)
+    dev_name = device_name(spec, device)
+    power, power_source = rank_power(spec.power_w if spec else None, dev_name, device.type == "cuda")
+    power_meter = PowerMeter(device)
+    ranks = all_gather_object(ctx, {"rank": ctx.rank, "device": dev_name, "power_w": power,
+                                    "power_source": power_source})
+    if ctx.is_main:
+        logger.log("event", step, {
+            "event": "run_start", "params": n_params, "flops_per_token": fpt, "hw_flops_per_token": hw_fpt,
+            "matmul_params": matmul_params(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size),
+            "seq_len": tc.seq_len, "tokens_per_step": tokens_per_step, "ranks": ranks})
     params = [p for p in model.parameters() if p.requires_grad]
     losses: dict[int, float] = {}
     pending: list[tuple[int, torch.Tensor | float, torch.Tensor]] = []  # (step, loss, grad-norm) not yet synced
@@ -441,6 +455,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                 for s, lv, _ in synced:
                     losses[s] = lv
                 tok_s = interval_steps * tokens_per_step / elapsed
+                power_meter.sample()
                 rate = {"tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12, "mfu": fpt * tok_s / peak}
                 mean_loss = sum(lv for _, lv, _ in synced) / len(synced)
                 if ctx.is_main:
@@ -483,16 +498,22 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
             logger.log("val", step, val.to_dict())
         if steps_this_call or last_ckpt is None:  # a finished run that was resumed needs no rewrite
             last_ckpt = write_checkpoint(final=True)
+    measured = all_gather_object(ctx, power_meter.mean_w)
     plot = run_dir / "loss_curve.png"
+    report = None
     if ctx.is_main:
+        if any(w is not None for w in measured):
+            logger.log("event", step, {"event": "power_measured", "measured_w": measured})
         logger.close()
         plot_loss_curve(logger.path, plot, title=f"{cfg.name}: {n_params / 1e6:.1f}M params")
+        if steps_this_call:
+            report = write_report(run_dir)
     barrier(ctx)
     return TrainResult(
         run_dir=run_dir, step=step, losses=losses, val=val, peak_tflops=peak / 1e12,
         checkpoint=last_ckpt, interrupted=interrupted, **rate,
         extra={"plot": str(plot), "metrics": str(run_dir / "metrics.jsonl"), "params": n_params,
                "flops_per_token": fpt, "signal": stop.signum, "rank": ctx.rank, "world_size": ctx.world_size,
-               "plan": plan.to_dict(),
+               "plan": plan.to_dict(), "report": str(report) if report else None,
                "peak_source": "configured" if tc.peak_tflops else "measured"},
     )

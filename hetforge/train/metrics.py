@@ -38,8 +38,9 @@ class MetricsLogger:
 
 
 def read_metrics(path: str | Path) -> dict[str, list[dict[str, Any]]]:
-    """Records by kind, sorted by step, last write winning for a repeated step."""
-    by_key: dict[tuple[str, int], dict] = {}
+    """Records by kind, sorted by step, last write winning for a repeated step (events: for a
+    repeated step and event name, so that different events of one step all stay)."""
+    by_key: dict[tuple, dict] = {}
     with Path(path).open(encoding="utf-8") as f:
         for line in f:
             line = line.strip()
@@ -49,9 +50,9 @@ def read_metrics(path: str | Path) -> dict[str, list[dict[str, Any]]]:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut short by a crash
-            by_key[(rec["kind"], rec["step"])] = rec
+            by_key[(rec["kind"], rec["step"], rec.get("event", ""))] = rec
     out: dict[str, list[dict]] = {}
-    for (kind, _), rec in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (kind, *_), rec in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         out.setdefault(kind, []).append(rec)
     return out
 

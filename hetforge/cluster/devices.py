@@ -1,0 +1,84 @@
+"""What the GPUs a lab actually owns can do: datasheet memory, dense peak TFLOP/s per precision,
+compute capability and board power. Used to predict wall time and energy before a run (`hetforge
+size`), to estimate energy after one when nothing better is known, and to choose a precision.
+
+Figures are per device as PyTorch sees it (one GK210 of a K80 board, one GCD of an MI250X), dense
+(no sparsity), tensor-core rates with fp32 accumulation where the card has tensor cores (GeForce
+cards run those at half their fp16-accumulate rate). None = the card has no such arithmetic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    memory_gb: float
+    fp32_tflops: float
+    fp16_tflops: float
+    bf16_tflops: float | None
+    capability: tuple[int, int] | None
+    power_w: float
+
+    def peak_tflops(self, precision: str) -> float:
+        if precision == "bf16":
+            if self.bf16_tflops is None:
+                raise ValueError(f"{self.name} has no bf16 arithmetic; use fp16 or fp32")
+            return self.bf16_tflops
+        return self.fp16_tflops if precision == "fp16" else self.fp32_tflops
+
+
+DEVICES: tuple[DeviceInfo, ...] = (
+    DeviceInfo("K80", 12, 4.37, 4.37, None, (3, 7), 150),
+    DeviceInfo("P100", 16, 9.3, 18.7, None, (6, 0), 250),
+    DeviceInfo("GTX 1080 Ti", 11, 11.3, 0.18, None, (6, 1), 250),  # fp16 at 1/64 rate on GP102
+    DeviceInfo("V100", 16, 15.7, 125.0, None, (7, 0), 300),
+    DeviceInfo("V100-32GB", 32, 15.7, 125.0, None, (7, 0), 300),
+    DeviceInfo("T4", 16, 8.1, 65.0, None, (7, 5), 70),
+    DeviceInfo("RTX 2080 Ti", 11, 13.4, 53.8, None, (7, 5), 250),
+    DeviceInfo("RTX 3090", 24, 35.6, 71.0, 71.0, (8, 6), 350),
+    DeviceInfo("A100-40GB", 40, 19.5, 312.0, 312.0, (8, 0), 400),
+    DeviceInfo("A100-80GB", 80, 19.5, 312.0, 312.0, (8, 0), 400),
+    DeviceInfo("H100", 80, 67.0, 989.0, 989.0, (9, 0), 700),
+    DeviceInfo("H200", 141, 67.0, 989.0, 989.0, (9, 0), 700),
+    DeviceInfo("MI250X-GCD", 64, 23.9, 191.5, 191.5, None, 280),
+)
+
+
+def _key(name: str) -> str:
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    for word in ("nvidia", "geforce", "tesla", "gtx", "rtx", "amd", "instinct"):
+        key = key.replace(word, "")
+    return key
+
+
+def lookup(name: str, memory_gb: float | None = None) -> DeviceInfo | None:
+    """The table's entry for a device name as a user or `torch.cuda.get_device_name` writes it
+    ("V100", "Tesla V100-SXM2-32GB", "NVIDIA A100-SXM4-80GB", "rtx3090"); None when unknown."""
+    key = _key(name)
+    if memory_gb is None:
+        m = re.search(r"(\d+)\s*gb", name.lower())
+        memory_gb = float(m.group(1)) if m else None
+    best = None
+    for d in DEVICES:
+        base = _key(d.name.split("-")[0])
+        if base and base in key:
+            # the longest matching model name, then the memory variant closest to what is declared
+            score = (len(base), -abs((memory_gb or d.memory_gb) - d.memory_gb))
+            if best is None or score > best[0]:
+                best = (score, d)
+    return best[1] if best else None
+
+
+def choose_precision(devices: list[DeviceInfo]) -> str:
+    """One precision for a whole run, set by its weakest device: bf16 where every device has it,
+    else fp16 (with loss scaling) where every device does fp16 at least as fast as fp32 (not so on
+    consumer Pascal, whose fp16 runs at 1/64 rate), else fp32."""
+    if devices and all(d.bf16_tflops for d in devices):
+        return "bf16"
+    if devices and all(d.fp16_tflops >= d.fp32_tflops for d in devices):
+        return "fp16"
+    return "fp32"
