@@ -99,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
 
+    p = sub.add_parser("export", help="Hugging Face format: export a checkpoint, or import a GPTNeoX directory")
+    p.add_argument("source", help="a checkpoint / run directory (--to hf), or a Hugging Face directory (--from hf)")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--to", choices=["hf"], help="write SOURCE as a GPTNeoXForCausalLM directory")
+    g.add_argument("--from", dest="from_", choices=["hf"], help="read SOURCE (a HF GPTNeoX directory) into a checkpoint")
+    p.add_argument("out", help="the directory to write")
+
     p = sub.add_parser("demo", help="prepare + train + eval the tiny CPU demo on the embedded corpus")
     p.add_argument("--config", default=str(DEMO_CONFIG))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -492,6 +499,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from hetforge.console import console
+    from hetforge.export.hf import export_hf, import_hf
+
+    if args.to:
+        out = export_hf(args.source, args.out)
+        console.print(f"exported {args.source} to {out} (GPTNeoXForCausalLM: config.json, model.safetensors, "
+                      f"tokenizer.json); load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    else:
+        out = import_hf(args.source, args.out)
+        console.print(f"imported {args.source} to {out}; continue pre-training with --set model.init_from={out}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from hetforge.config import load_config
     from hetforge.console import console
@@ -514,7 +535,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "plan": cmd_plan, "size": cmd_size, "report": cmd_report,
-            "scale": cmd_scale,
+            "scale": cmd_scale, "export": cmd_export,
             "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}
 
 

@@ -75,6 +75,9 @@ class ModelConfig(_Strict):
     norm_eps: float = Field(1e-5, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_std: float = Field(0.02, gt=0)
+    # Start from these weights (a hetforge checkpoint or run directory, e.g. one `hetforge export
+    # --from hf` wrote): continued pre-training. Its model shape and tokenizer are used.
+    init_from: str | None = None
 
     @model_validator(mode="after")
     def _apply_preset(self) -> "ModelConfig":

@@ -93,13 +93,7 @@ def save_checkpoint(
         )
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
-        files = {}
-        for f in sorted(tmp.iterdir()):
-            _fsync(f)
-            files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        manifest = {"step": step, "hetforge_version": __version__, "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync(tmp / MANIFEST)
+        _write_manifest(tmp, step)
         if final.exists():  # re-saving the same step (e.g. after resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -109,6 +103,29 @@ def save_checkpoint(
         raise CheckpointError(f"could not write checkpoint {final}: {err}") from err
     _prune(root, keep)
     return final
+
+
+def _write_manifest(path: Path, step: int) -> None:
+    files = {}
+    for f in sorted(path.iterdir()):
+        if f.name == MANIFEST:
+            continue
+        _fsync(f)
+        files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    manifest = {"step": step, "hetforge_version": __version__, "files": files}
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync(path / MANIFEST)
+
+
+def write_weights_checkpoint(path: str | Path, model: nn.Module, state: dict[str, Any]) -> Path:
+    """Weights and state only (no optimizer, no RNG), with a manifest: an imported model, to
+    evaluate, sample from, or start a run from (`model.init_from`)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(path / "model.safetensors"))
+    (path / "state.json").write_text(json.dumps(state, indent=1))
+    _write_manifest(path, int(state.get("step", 0)))
+    return path
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -22,6 +22,7 @@ store the global position only, so a run can resume on a different number or mix
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import signal
 import threading
@@ -46,7 +47,7 @@ from hetforge.cluster.dist import (
     shutdown,
 )
 from hetforge.cluster.spec import Slowdown, device_name, rank_device
-from hetforge.config import RunConfig, dump_config
+from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.console import console, make_progress, warn
 from hetforge.data.prepare import prepare
 from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard
@@ -59,8 +60,10 @@ from hetforge.train.checkpoint import (
     CheckpointError,
     latest_valid,
     load_checkpoint,
+    load_weights,
     save_checkpoint,
 )
+from hetforge.train.checkpoint import resolve as ckpt_resolve
 from hetforge.train.metrics import MetricsLogger, plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
 from hetforge.train.precision import Precision, resolve_device, resolve_precision
@@ -198,6 +201,12 @@ def train(
             shutdown()
 
 
+def _sha256_file(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
 def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
     """Plan this rank's activations for the micro-batch it was given (and install the plan); the
     main rank prints every rank's plan side by side and saves them to RUN/memory/plans.json."""
@@ -252,6 +261,12 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
         torch.set_num_threads(tc.num_threads)
     torch.manual_seed(tc.seed)
 
+    # ---- continued pre-training: the starting weights fix the model's shape and tokenizer
+    init = None
+    if cfg.model.init_from:
+        init = ckpt_resolve(cfg.model.init_from)
+        init_state = json.loads((init / "state.json").read_text())
+
     # ---- data: rank 0 prepares (a no-op when cached), the others then open the same shards
     if ctx.is_main:
         data = prepare(cfg.data, progress=tc.progress)
@@ -269,6 +284,12 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
         raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}")
     model_cfg = GPTNeoXConfig.from_model_config(cfg.model, vocab)
+    if init is not None:
+        model_cfg = GPTNeoXConfig(**init_state["model_config"])
+        if _sha256_file(Path(init_state["tokenizer"])) != _sha256_file(tokenizer_path):
+            raise ConfigError(f"model.init_from {init} was trained with another tokenizer than the data in "
+                              f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
+                              f"{init_state['tokenizer']}, and a new data.out_dir)")
     model = GPTNeoX(model_cfg).to(device)
     optimizer = build_optimizer(model, tc, device)
     scaler = precision.grad_scaler()
@@ -287,6 +308,9 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                 raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
             step, consumed, last_ckpt = ck.step, ck.state["consumed_samples"], found
             say(f"resumed from {found} (step {step}, {consumed} samples consumed)")
+    if init is not None and last_ckpt is None:
+        load_weights(init, model)
+        say(f"starting from the weights of {init}")
 
     # ---- the share of the global batch each rank computes
     plan = plan_for_run(cfg, ctx, model, device, precision.autocast, vocab, run_dir, console if ctx.is_main else None)
