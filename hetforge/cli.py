@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from hetforge.config import ConfigError
+
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 
@@ -89,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batches", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--prompt", default=None, help="also sample a continuation of this prompt")
+    p.add_argument("--task", action="append", default=[], metavar="TASK",
+                   help="zero-shot multiple choice instead of perplexity: sci-mc (built in) or a JSONL file "
+                        "(hetforge, SciQ or ARC form); repeatable")
+    p.add_argument("--via", choices=["hetforge", "lm-eval"], default="hetforge",
+                   help="score the tasks with hetforge's scorer or through lm-evaluation-harness (extra 'eval')")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
 
     p = sub.add_parser("generate", help="sample text from a checkpoint")
@@ -355,7 +362,6 @@ def _scale_fit(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from hetforge.config import ConfigError
     from hetforge.console import console
     from hetforge.scaling.accounting import report_table, run_report, write_report
     from hetforge.train.metrics import plot_loss_curve
@@ -463,6 +469,8 @@ def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
 def cmd_eval(args) -> int:
     from hetforge.console import console
 
+    if args.task:
+        return _eval_tasks(args)
     model, state, tok, res = _eval(args.checkpoint, args.split, args.max_batches, args.batch_size)
     out = {"checkpoint": state["path"], "split": args.split, **res.to_dict()}
     if args.prompt:
@@ -475,6 +483,45 @@ def cmd_eval(args) -> int:
         console.print(f"  loss {res.loss:.4f} nats/token | perplexity {res.perplexity:.2f} | bits/byte {bpb}")
         if args.prompt:
             console.print(f"  sample: {args.prompt}[bold]{out['sample']}[/bold]")
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    from rich.table import Table
+
+    from hetforge.console import console
+    from hetforge.data.tokenizer import load_tokenizer
+    from hetforge.evaluate.multiple_choice import load_task, score_task
+    from hetforge.train.checkpoint import load_for_inference
+    from hetforge.train.precision import resolve_device
+
+    device = resolve_device("auto")
+    model, state = load_for_inference(args.checkpoint, device)
+    tok = load_tokenizer(state["tokenizer"])
+    if args.via == "lm-eval":
+        try:
+            from hetforge.evaluate.lm_eval_adapter import HetforgeLM, evaluate
+        except ImportError:
+            raise ConfigError("--via lm-eval needs lm-evaluation-harness: pip install -e '.[eval]'") from None
+        got = evaluate(HetforgeLM(model=model, tokenizer=tok, device=str(device), max_length=state["seq_len"],
+                                  batch_size=args.batch_size), args.task)
+        rows = [{"task": k, "acc": v["acc"], "acc_norm": v["acc_norm"]} for k, v in got.items()]
+    else:
+        rows = []
+        for t in args.task:
+            name, items = load_task(t)
+            res, _ = score_task(model, tok, name, items, state["seq_len"], device, args.batch_size)
+            rows.append(res.to_dict())
+    if args.json:
+        print(json.dumps({"checkpoint": state["path"], "via": args.via, "tasks": rows}))
+        return 0
+    t = Table(title=f"zero-shot multiple choice: {state['path']} (via {args.via})")
+    for col in ("task", "items", "acc", "acc_norm", "chance"):
+        t.add_column(col, justify="left" if col == "task" else "right")
+    for r in rows:
+        t.add_row(r["task"], str(r.get("n", "")), f"{r['acc']:.3f}", f"{r['acc_norm']:.3f}",
+                  f"{r['chance']:.3f}" if "chance" in r else "")
+    console.print(t)
     return 0
 
 

@@ -8,10 +8,11 @@ from hetforge.data.corpus import CorpusError
 from hetforge.data.prepare import PrepareError
 from hetforge.data.shards import ShardError
 from hetforge.data.tokenizer import TokenizerError
+from hetforge.evaluate.multiple_choice import TaskError
 from hetforge.export.hf import ExportError
 from hetforge.memory.milp import PlanError
 from hetforge.scaling.laws import ScalingError
 from hetforge.train.checkpoint import CheckpointError
 
 USER_ERRORS = (ConfigError, ClusterError, BalanceError, CorpusError, PrepareError, ShardError, TokenizerError, CheckpointError,
-               PlanError, ScalingError, ExportError)
+               PlanError, ScalingError, ExportError, TaskError)
