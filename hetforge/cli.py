@@ -98,6 +98,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="score the tasks with hetforge's scorer or through lm-evaluation-harness (extra 'eval')")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
 
+    p = sub.add_parser("heads", help="fine-tune heads on a checkpoint's pooled embeddings; score them on test")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid one)")
+    p.add_argument("--task", action="append", default=[], choices=["aclsum-aspects", "aclsum-year"],
+                   help="default: both (sentence aspects, macro-F1; publication year, MAE)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON only")
+
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("checkpoint")
     p.add_argument("--prompt", required=True)
@@ -525,6 +531,38 @@ def _eval_tasks(args) -> int:
     return 0
 
 
+def cmd_heads(args) -> int:
+    from rich.table import Table
+
+    from hetforge.console import console
+    from hetforge.data.tokenizer import load_tokenizer
+    from hetforge.evaluate.heads import REPORTS, TASKS, held_out
+    from hetforge.train.checkpoint import load_for_inference
+    from hetforge.train.precision import resolve_device
+
+    device = resolve_device("auto")
+    model, state = load_for_inference(args.checkpoint, device)
+    tok = load_tokenizer(state["tokenizer"])
+    rows = [REPORTS[t](model, tok, state["seq_len"], device) for t in (args.task or TASKS)]
+    seen = held_out(state)
+    if args.json:
+        print(json.dumps({"checkpoint": state["path"], "held_out": seen, "tasks": rows}))
+        return 0
+    t = Table(title=f"heads on pooled embeddings of {state['path']} (frozen), scored on the test split")
+    for col in ("task", "metric", "head", "baseline", "train / test"):
+        t.add_column(col, justify="left" if col in ("task", "metric") else "right")
+    for r in rows:
+        t.add_row(r["task"], r["metric"], f"{r['score']:.3f}", f"{r['baseline']:.3f} ({r['baseline_name']})",
+                  f"{r['n_train']} / {r['n_test']}")
+    console.print(t)
+    if seen["in_pretraining"] is None:
+        console.print(f"the {seen['test_papers']} test papers: {seen['note']}")
+    else:
+        console.print(f"the {seen['test_papers']} aclsum test papers: {seen['in_pretraining']} of them in this "
+                      f"model's pre-training shards (by paper id)")
+    return 0
+
+
 def _sample(model, state, tok, prompt, max_new, temperature, top_k, seed) -> str:
     from hetforge.data.tokenizer import EOT
     from hetforge.evaluate.generate import generate
@@ -582,7 +620,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "plan": cmd_plan, "size": cmd_size, "report": cmd_report,
-            "scale": cmd_scale, "export": cmd_export,
+            "scale": cmd_scale, "export": cmd_export, "heads": cmd_heads,
             "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}
 
 

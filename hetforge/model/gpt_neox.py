@@ -193,8 +193,9 @@ class GPTNeoX(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+    def features(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> final hidden states (batch, seq, d_model), after the last norm:
+        what the output projection reads, and what fine-tuned heads pool."""
         cos, sin = self.rotary.cos_sin(idx.shape[1], idx.device)
         x = self.emb_dropout(self.embed_in(idx))
         if self.block_runner is not None:
@@ -202,7 +203,11 @@ class GPTNeoX(nn.Module):
         else:
             for block in self.layers:
                 x = block(x, cos, sin)
-        return self.embed_out(self.final_layer_norm(x))
+        return self.final_layer_norm(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+        return self.embed_out(self.features(idx))
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
