@@ -230,6 +230,9 @@ def cmd_plan(args) -> int:
                           f"{s['variables']} variables, {s['constraints']} constraints")
     link = prof.link_bytes_per_s
     console.print(f"host link {link / 1e9:.1f} GB/s ({'measured' if prof.meta.get('link_measured') else 'modelled'})")
+    if dp.optimizer_offload:
+        console.print(f"optimizer state in host memory (it does not fit beside the weights and gradients): "
+                      f"+{dp.offload_s * 1e3:.1f} ms per optimizer step (gradients down, weights up, the host's step)")
     png = plot_timeline(dp.prediction, dp.keep_all, budget, out / "memory_timeline.png",
                         f"{cfg.name}: memory over one step (micro-batch {micro})")
     path = save_plan(out / "plan.json", dp.plan, dp.prediction, budget,

@@ -220,6 +220,14 @@ class MemoryConfig(_Strict):
     link_gbps: float | None = Field(None, gt=0)  # host copy GB/s; None: measured (pinned PCIe copy, or the CPU memcpy)
     time_limit_s: float = Field(60.0, gt=0)
     verify_tolerance: float = Field(0.15, gt=0)  # warn when measured and predicted differ more
+    # optimizer state (and its step) in host memory: auto = only where nothing fits otherwise
+    optimizer_offload: Literal["auto", "on", "off"] = "auto"
+
+    @field_validator("optimizer_offload", mode="before")
+    @classmethod
+    def _on_off(cls, v):
+        # YAML reads a bare on / off as a boolean
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
     @field_validator("budget")
     @classmethod
@@ -237,7 +245,7 @@ class MemoryConfig(_Strict):
 
     @property
     def active(self) -> bool:
-        return self.budget is not None or self.strategy not in ("milp", "none")
+        return self.budget is not None or self.strategy not in ("milp", "none") or self.optimizer_offload == "on"
 
 
 class RunConfig(_Strict):

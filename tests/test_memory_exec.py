@@ -154,7 +154,13 @@ def test_plan_command_tables_files_and_errors(make_cfg, tmp_path, capsys):
     assert saved["prediction"]["peak_bytes"] <= 4 * 2**20
     assert (out / "memory_timeline.png").stat().st_size > 5000
     # a budget no plan meets names the smallest one; one below the static memory says so
-    assert main(["plan", str(path), "--budget", "2.6MiB", "--device", "cpu", "--out", str(out)]) == 2
+    off = ["--set", "memory.optimizer_offload=off"]
+    assert main(["plan", str(path), "--budget", "2.6MiB", "--device", "cpu", "--out", str(out)] + off) == 2
     assert "smallest feasible budget" in capsys.readouterr().err
+    assert main(["plan", str(path), "--budget", "1MiB", "--device", "cpu", "--out", str(out)] + off) == 2
+    assert "below the weights + gradients + optimizer state alone" in capsys.readouterr().err
+    # by default the optimizer's state moves to the host where nothing fits beside it
+    assert main(["plan", str(path), "--budget", "2.6MiB", "--device", "cpu", "--out", str(out)]) == 0
+    assert "optimizer state in host memory" in capsys.readouterr().out
     assert main(["plan", str(path), "--budget", "1MiB", "--device", "cpu", "--out", str(out)]) == 2
-    assert "below the weights + gradients + optimizer state" in capsys.readouterr().err
+    assert "below the weights + gradients alone" in capsys.readouterr().err

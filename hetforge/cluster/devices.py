@@ -20,8 +20,15 @@ class DeviceInfo:
     fp32_tflops: float
     fp16_tflops: float
     bf16_tflops: float | None
-    capability: tuple[int, int] | None
+    compute_capability: tuple[int, int] | None
     power_w: float
+
+    def caps(self):
+        """As `cluster.capability` describes a detected device."""
+        from hetforge.cluster.capability import Capability
+
+        return Capability(self.name, "cuda", self.compute_capability, self.memory_gb * 2**30,
+                          bf16=self.bf16_tflops is not None, fast_fp16=self.fp16_tflops >= self.fp32_tflops)
 
     def peak_tflops(self, precision: str) -> float:
         if precision == "bf16":
@@ -74,11 +81,7 @@ def lookup(name: str, memory_gb: float | None = None) -> DeviceInfo | None:
 
 
 def choose_precision(devices: list[DeviceInfo]) -> str:
-    """One precision for a whole run, set by its weakest device: bf16 where every device has it,
-    else fp16 (with loss scaling) where every device does fp16 at least as fast as fp32 (not so on
-    consumer Pascal, whose fp16 runs at 1/64 rate), else fp32."""
-    if devices and all(d.bf16_tflops for d in devices):
-        return "bf16"
-    if devices and all(d.fp16_tflops >= d.fp32_tflops for d in devices):
-        return "fp16"
-    return "fp32"
+    """The run's one precision on these cards (`capability.run_precision`'s rule)."""
+    from hetforge.cluster.capability import run_precision
+
+    return run_precision([d.caps() for d in devices])[0]

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from hetforge.memory.milp import PlanError, plan_for_strategy
-from hetforge.memory.plan import ModelProfile, Plan, Prediction, parse_size, simulate
-from hetforge.memory.profile import profile_model, static_bytes
+from hetforge.memory.plan import ModelProfile, Plan, Prediction, format_bytes, parse_size, simulate
+from hetforge.memory.profile import host_optimizer_seconds_per_param, profile_model, static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PROFILE_CACHE = Path("data_cache") / "memory_profiles"
@@ -28,6 +28,8 @@ class DevicePlan:
     prediction: Prediction
     keep_all: Prediction
     profile: ModelProfile
+    optimizer_offload: bool = False
+    offload_s: float = 0.0  # per optimizer step: gradients down, weights up, the host's step
 
     def summary(self) -> str:
         runs, out = [], []
@@ -40,6 +42,8 @@ class DevicePlan:
             out.append(f"{s}-{e}:{o}" if e > s else f"{s}:{o}")
         if self.plan.segments:
             out = [f"segments {self.plan.segments}"]
+        if self.optimizer_offload:
+            out.append("optimizer on the host")
         return ", ".join(out)
 
 
@@ -65,13 +69,36 @@ def plan_device(
     budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
     workspace_bytes: float = 0.0,
 ) -> DevicePlan:
-    """Raises PlanError (naming the smallest feasible budget) when nothing fits."""
+    """Raises PlanError (naming the smallest feasible budget) when nothing fits.
+
+    Optimizer offload (`memory.optimizer_offload`): "on" always; "auto" only when no activation plan
+    fits beside the optimizer's state, since the host step and the copies cost time every step."""
     link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
     prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
     prof.workspace_bytes = workspace_bytes
-    plan = plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s)
+    mode = mem_cfg.optimizer_offload
+    offload = mode == "on"
+
+    def solve_with(off: bool) -> Plan:
+        prof.static = static_bytes(model_cfg, optimizer, offload=off)
+        return plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s)
+
+    try:
+        plan = solve_with(offload)
+    except PlanError as err:
+        if mode == "off":
+            state = static_bytes(model_cfg, optimizer)["optimizer state"]
+            raise PlanError(f"{err}; memory.optimizer_offload=auto would move the optimizer's "
+                            f"{format_bytes(state)} to the host") from None
+        if mode != "auto":
+            raise
+        plan, offload = solve_with(True), True  # raises in its turn if even that does not fit
     keep = simulate(prof, Plan(["keep"] * model_cfg.n_layers, "keep-all"))
-    return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof)
+    offload_s = 0.0
+    if offload:
+        n = prof.static["weights"] / 4.0
+        offload_s = 2 * 4.0 * n / prof.link_bytes_per_s + n * host_optimizer_seconds_per_param()
+    return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof, offload, offload_s)
 
 
 def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,

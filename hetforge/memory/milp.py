@@ -266,10 +266,12 @@ def solve(
 ) -> Plan:
     """The fastest plan whose peak stays within `budget` bytes at every stage of the step."""
     if budget < profile.static_bytes:
+        parts = " + ".join(profile.static)
+        hint = ("memory.optimizer_offload (auto or on)" if "optimizer state" in profile.static
+                else "more memory or a smaller model")
         raise PlanError(
-            f"budget {format_bytes(budget)} is below the weights + gradients + optimizer state alone "
-            f"({format_bytes(profile.static_bytes)}); no activation plan can help: use more memory, a smaller "
-            "model, or optimizer-state offload"
+            f"budget {format_bytes(budget)} is below the {parts} alone ({format_bytes(profile.static_bytes)}); "
+            f"no activation plan can help: use {hint}"
         )
     start = feasible_plan(profile, menu, budget)
     if start is None:

@@ -77,10 +77,27 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20) -> float:
     return nbytes / max(d2h, h2d)
 
 
-def static_bytes(cfg: GPTNeoXConfig, optimizer: str = "adamw") -> dict[str, float]:
+def static_bytes(cfg: GPTNeoXConfig, optimizer: str = "adamw", offload: bool = False) -> dict[str, float]:
+    """Device bytes that do not depend on the activation plan: fp32 master weights and gradients
+    (autocast computes in bf16/fp16 from them), and the optimizer's state unless it is on the host."""
     n = count_parameters(cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.tie_embeddings)["total"]
-    # fp32 master weights and gradients (autocast computes in bf16/fp16 from them)
-    return {"weights": 4.0 * n, "gradients": 4.0 * n, "optimizer state": float(OPTIMIZER_BYTES[optimizer] * n)}
+    out = {"weights": 4.0 * n, "gradients": 4.0 * n}
+    if not offload:
+        out["optimizer state"] = float(OPTIMIZER_BYTES[optimizer] * n)
+    return out
+
+
+_HOST_STEP: list[float] = []
+
+
+def host_optimizer_seconds_per_param() -> float:
+    """This host's AdamW step time per parameter (once per process): the cost of optimizer offload."""
+    if not _HOST_STEP:
+        p = torch.zeros(2**21, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+        _HOST_STEP.append(_timed(opt.step, torch.device("cpu"), 3) / p.numel())
+    return _HOST_STEP[0]
 
 
 def _cache_key(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
@@ -335,8 +352,10 @@ def profile_model(
     configured_link = link_bytes_per_s
     if link_bytes_per_s is None:
         link_bytes_per_s = measure_link(device)
-    block = profile_block(cfg, micro_batch, seq, precision, device, repeats)
-    hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats)
+    # the profile seeds its own random block: the run's random stream must not notice
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        block = profile_block(cfg, micro_batch, seq, precision, device, repeats)
+        hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats)
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
         static=static_bytes(cfg, optimizer),

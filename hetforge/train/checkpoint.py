@@ -197,14 +197,23 @@ def load_checkpoint(
 ) -> Checkpoint:
     load_weights(path, model)
     if optimizer is not None:
-        opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        optimizer.load_state_dict(opt["optimizer"])
-        if scaler is not None and opt["scaler"]:
-            scaler.load_state_dict(opt["scaler"])
-    if restore_rng:
+        load_training_state(path, optimizer, scaler, restore_rng)
+    elif restore_rng:
         set_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
     state = json.loads((path / "state.json").read_text())
     return Checkpoint(path, int(state["step"]), state)
+
+
+def load_training_state(path: Path, optimizer, scaler: torch.amp.GradScaler | None = None,
+                        restore_rng: bool = True) -> None:
+    """Optimizer, loss scaler and RNG of a checkpoint, for an optimizer made after the weights were
+    loaded (it may keep its state on the host: `HostOffloadOptimizer`)."""
+    opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(opt["optimizer"])
+    if scaler is not None and opt["scaler"]:
+        scaler.load_state_dict(opt["scaler"])
+    if restore_rng:
+        set_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
 
 
 def load_for_inference(path_or_run: str | Path, device: torch.device | str = "cpu"):

@@ -1,8 +1,10 @@
 """The training loop: read this file top to bottom to know what one run does.
 
-    join the process group (torchrun / srun; nothing when run as one process)
-    -> prepare data (rank 0; cached) -> build model -> optimizer -> resume from the newest valid
-    checkpoint -> split the global batch over the ranks by measured speed and memory
+    join the process group (torchrun / srun; nothing when run as one process) -> one precision for
+    all ranks -> prepare data (rank 0; cached) -> build model -> resume its weights from the newest
+    valid checkpoint -> split the global batch over the ranks by measured speed and memory -> plan
+    each rank's activation memory -> optimizer (on the host where the device is too small for it),
+    with its checkpointed state
     -> for each step: each rank runs its micro-batches (gradient sync only on the last), clip, step
     -> global metrics / validate / checkpoint (rank 0) / re-balance if step times drift
     -> final validation, loss-curve PNG, summary.
@@ -37,6 +39,7 @@ from rich.progress import TextColumn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetforge.cluster.assign import PLAN_FILE, DriftMonitor, plan_for_run
+from hetforge.cluster.capability import detect, run_precision
 from hetforge.cluster.dist import (
     DistContext,
     all_gather_object,
@@ -60,13 +63,14 @@ from hetforge.train.checkpoint import (
     CheckpointError,
     latest_valid,
     load_checkpoint,
+    load_training_state,
     load_weights,
     save_checkpoint,
 )
 from hetforge.train.checkpoint import resolve as ckpt_resolve
 from hetforge.train.metrics import MetricsLogger, plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
-from hetforge.train.precision import Precision, resolve_device, resolve_precision
+from hetforge.train.precision import Precision, resolve_device
 
 
 @dataclass
@@ -231,7 +235,8 @@ def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
     mine = {"rank": ctx.rank, "device": plan.shares[ctx.rank].device, "micro_batch": micro, "budget": dp.budget,
             "strategy": dp.plan.strategy, "plan": dp.summary(), "options": dp.plan.options,
             "predicted_peak_bytes": p.peak_bytes, "predicted_held_bytes": p.held_bytes,
-            "predicted_step_s": p.time_s, "keep_all_step_s": dp.keep_all.time_s}
+            "predicted_step_s": p.time_s, "keep_all_step_s": dp.keep_all.time_s,
+            "optimizer_offload": dp.optimizer_offload, "offload_s_per_step": dp.offload_s}
     rows = all_gather_object(ctx, mine)
     if ctx.is_main:
         t = Table(title="memory plan per rank (predicted for one micro-batch)")
@@ -256,7 +261,15 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     if ctx.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-    precision = Precision(resolve_precision(tc.precision, device), device)
+    # One precision for the whole run, set by its weakest device, stated once.
+    caps = all_gather_object(ctx, detect(device))
+    chosen, why = run_precision(caps) if tc.precision == "auto" else (tc.precision, "as configured")
+    precision = Precision(chosen, device)
+    say(f"precision {chosen}: {why}")
+    if tc.precision == "auto":  # what plans, probes and checkpoints below read is the decision
+        cfg = cfg.model_copy(deep=True)
+        cfg.train.precision = chosen
+        tc = cfg.train
     if tc.num_threads:
         torch.set_num_threads(tc.num_threads)
     torch.manual_seed(tc.seed)
@@ -291,10 +304,11 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                               f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
                               f"{init_state['tokenizer']}, and a new data.out_dir)")
     model = GPTNeoX(model_cfg).to(device)
-    optimizer = build_optimizer(model, tc, device)
     scaler = precision.grad_scaler()
 
-    # ---- resume (every rank reads the same checkpoint; it holds the global sample position)
+    # ---- resume (every rank reads the same checkpoint; it holds the global sample position). The
+    # weights and position now; optimizer, scaler and RNG once the optimizer exists, as the memory
+    # plan may put it on the host.
     step, consumed, last_ckpt = 0, 0, None
     ckpt_root = run_dir / "checkpoints"
     if resume != "never":
@@ -303,7 +317,7 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
         if found is None and resume == "always":
             raise CheckpointError(f"--resume given but {ckpt_root} holds no valid checkpoint")
         if found is not None:
-            ck = load_checkpoint(found, model, optimizer, scaler)
+            ck = load_checkpoint(found, model, restore_rng=False)
             if ck.state["model_config"] != model_cfg.to_dict():
                 raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
             step, consumed, last_ckpt = ck.step, ck.state["consumed_samples"], found
@@ -327,6 +341,12 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     monitor = DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window) if watch else None
     slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # None (no slowdown) when the cluster is not described
     check = _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say)
+    offload = check is not None and check.dp.optimizer_offload
+    optimizer = build_optimizer(model, tc, device, offload=offload)
+    if offload:
+        say(f"rank {ctx.rank}: optimizer state in host memory (it does not fit beside the weights and gradients)")
+    if last_ckpt is not None:
+        load_training_state(last_ckpt, optimizer, scaler)
     net, clock = model, None
     if ctx.distributed:
         # gradients as views of DDP's buckets: one copy of them, not two

@@ -73,10 +73,85 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
+                    offload: bool = False) -> torch.optim.Optimizer:
+    """AdamW or LAMB over the model's parameter groups; with `offload`, the same optimizer kept and
+    stepped in host memory (`HostOffloadOptimizer`)."""
     groups = param_groups(model, cfg.weight_decay)
+    if offload:
+        return HostOffloadOptimizer(groups, lambda host_groups: _make(host_groups, cfg, torch.device("cpu")))
+    return _make(groups, cfg, device)
+
+
+def _make(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     if cfg.optimizer == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     # The fused kernel is one launch for all parameters on CUDA; on CPU the foreach path is fastest.
     kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
+
+
+class HostOffloadOptimizer:
+    """ZeRO-Offload's idea for a device too small for weights, gradients and optimizer state: the
+    optimizer, its state (Adam's two moments, 8 bytes a parameter) and an fp32 copy of the weights
+    live in host memory (pinned where a GPU is there), each step runs on the host's cores, and only
+    the updated weights go back. The device keeps weights and gradients.
+
+    To the loop and the loss scaler it is an optimizer: `param_groups` are the device parameters'
+    groups (the loop sets the learning rate there; it is passed on at each step), so unscaling and
+    clipping work on the device gradients as before. Its state dict is the host optimizer's, in the
+    same form as an on-device one's, so a run can resume with offload switched on or off."""
+
+    def __init__(self, groups: list[dict], make):
+        self.param_groups = groups
+        pin = torch.cuda.is_available() and any(p.is_cuda for g in groups for p in g["params"])
+        host_groups, self._pairs = [], []
+        for g in groups:
+            hosted = []
+            for p in g["params"]:
+                hp = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+                hp.copy_(p.detach())
+                hp.requires_grad_(True)
+                hp.grad = torch.zeros_like(hp)  # a pinned landing place for the gradient, reused
+                hosted.append(hp)
+                self._pairs.append((p, hp))
+            host_groups.append({**g, "params": hosted})
+        self.inner = make(host_groups)
+        self.defaults = self.inner.defaults
+        self.state = self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for mine, theirs in zip(self.param_groups, self.inner.param_groups):
+            theirs.update({k: v for k, v in mine.items() if k != "params"})
+        stepped = []
+        for p, hp in self._pairs:
+            if p.grad is not None:
+                hp.grad.copy_(p.grad, non_blocking=True)
+                stepped.append((p, hp))
+        if any(p.is_cuda for p, _ in stepped):
+            torch.cuda.synchronize()
+        missing = [hp for p, hp in self._pairs if p.grad is None]
+        saved = [hp.grad for hp in missing]
+        for hp in missing:  # a parameter without a gradient is not stepped, as on the device
+            hp.grad = None
+        self.inner.step()
+        for hp, g in zip(missing, saved):
+            hp.grad = g
+        for p, hp in stepped:
+            p.copy_(hp, non_blocking=True)
+        return None
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)

@@ -20,11 +20,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
+    """`auto` for one device by `cluster.capability.run_precision`'s rule (a distributed run decides
+    once for all its ranks, in the loop). fp16 on the CPU is allowed (slow) so that the
+    loss-scaling path is testable anywhere."""
     if name != "auto":
-        return name  # fp16 on CPU is allowed (slow) so the loss-scaling path is testable anywhere
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "fp32"
+        return name
+    from hetforge.cluster.capability import detect, run_precision
+
+    return run_precision([detect(device)])[0]
 
 
 @dataclass

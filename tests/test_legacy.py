@@ -1,0 +1,147 @@
+"""Legacy and mixed GPUs, tested on the CPU: the run's one precision for each capability mix, the
+fp16 loss scaler on an overflow, and optimizer-state offload against the on-device optimizer."""
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hetforge.train.loop as loop
+from hetforge.cluster.capability import Capability, detect, from_compute_capability, run_precision
+from hetforge.config import TrainConfig
+from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
+from hetforge.train import checkpoint as ckpt
+from hetforge.train.loop import train
+from hetforge.train.metrics import read_metrics
+from hetforge.train.optim import HostOffloadOptimizer, build_optimizer
+
+CARDS = {
+    "H100": (9, 0), "A100": (8, 0), "RTX 3090": (8, 6), "V100": (7, 0), "T4": (7, 5), "RTX 2080 Ti": (7, 5),
+    "P100": (6, 0), "GTX 1080 Ti": (6, 1), "K80": (3, 7),
+}
+CPU = Capability("cpu", "cpu", None, None, False, False)
+
+
+def cards(*names):
+    return [from_compute_capability(n, CARDS[n]) for n in names]
+
+
+@pytest.mark.parametrize("names,expected,blamed", [
+    (("H100", "A100", "RTX 3090"), "bf16", None),
+    (("A100", "V100"), "fp16", "rank 1 (V100, compute capability 7.0) has no bf16"),
+    (("T4", "RTX 2080 Ti", "V100"), "fp16", "rank 0 (T4"),
+    (("A100", "P100"), "fp16", "rank 1 (P100"),  # the P100 runs fp16 at twice its fp32 rate
+    (("A100", "V100", "GTX 1080 Ti"), "fp32", "rank 2 (GTX 1080 Ti, compute capability 6.1)"),
+    (("K80",), "fp32", "rank 0 (K80"),
+])
+def test_one_precision_for_each_capability_mix(names, expected, blamed):
+    chosen, why = run_precision(cards(*names))
+    assert chosen == expected
+    if blamed:
+        assert blamed in why
+
+
+def test_a_cpu_in_the_mix_trains_fp32():
+    assert run_precision(cards("A100") + [CPU]) == ("fp32", "rank 1 is a CPU")
+    assert run_precision([])[0] == "fp32"
+
+
+def test_detect_reads_the_driver(monkeypatch):
+    props = SimpleNamespace(name="Tesla V100-SXM2-32GB", major=7, minor=0, total_memory=32 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cap = detect(torch.device("cuda", 0))
+    assert cap == Capability("Tesla V100-SXM2-32GB", "cuda", (7, 0), 32.0 * 2**30, bf16=False, fast_fp16=True)
+    assert detect(torch.device("cpu")).kind == "cpu"
+
+
+def test_auto_precision_in_a_run_follows_the_devices(make_cfg, monkeypatch, capsys):
+    """A run whose (mocked) device is a V100 trains in fp16 with loss scaling, and says why."""
+    monkeypatch.setattr(loop, "detect", lambda device: from_compute_capability("V100", (7, 0)))
+    res = train(make_cfg("v100", steps=3, precision="auto"))
+    assert "precision fp16: rank 0 (V100, compute capability 7.0) has no bf16" in capsys.readouterr().out
+    state = json.loads((ckpt.resolve(res.run_dir) / "state.json").read_text())
+    assert state["precision"] == "fp16"
+
+
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_goes_on(make_cfg, monkeypatch):
+    real = loop.backward_share
+    calls = {"n": 0}
+
+    def overflowing(net, *args, **kw):
+        out = real(net, *args, **kw)
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 3's gradients overflow
+            next(net.parameters()).grad[0, 0] = float("inf")
+        return out
+
+    monkeypatch.setattr(loop, "backward_share", overflowing)
+    res = train(make_cfg("overflow", steps=6, precision="fp16"))
+    recs = {r["step"]: r for r in read_metrics(Path(res.run_dir) / "metrics.jsonl")["train"]}
+    assert recs[3]["loss_scale"] == recs[2]["loss_scale"] / 2  # halved on the overflow
+    assert not torch.isfinite(torch.tensor(recs[3]["grad_norm"]))
+    assert recs[4]["loss_scale"] == recs[3]["loss_scale"]
+    assert all(torch.isfinite(torch.tensor(recs[s]["loss"])) for s in recs) and res.step == 6
+    opt = torch.load(ckpt.resolve(res.run_dir) / "optimizer.pt", weights_only=True)["optimizer"]
+    assert all(int(s["step"]) == 5 for s in opt["state"].values())  # 6 steps, one skipped
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_host_offload_optimizer_equals_the_device_optimizer(name):
+    tc = TrainConfig(optimizer=name, lr=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    a = GPTNeoX(GPTNeoXConfig(2, 64, 4, 256, 128))
+    b = copy.deepcopy(a)
+    on_device = build_optimizer(a, tc, torch.device("cpu"))
+    on_host = build_optimizer(b, tc, torch.device("cpu"), offload=True)
+    assert isinstance(on_host, HostOffloadOptimizer)
+    idx = torch.randint(0, 128, (4, 33))
+    for step in range(5):
+        for model, opt in ((a, on_device), (b, on_host)):
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 * (step + 1) / 5
+            F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+    # the state dicts are interchangeable: resume with offload switched off
+    c = copy.deepcopy(b)
+    back = build_optimizer(c, tc, torch.device("cpu"))
+    back.load_state_dict(on_host.state_dict())
+    for k, st in on_device.state_dict()["state"].items():
+        assert torch.equal(st["exp_avg"], back.state_dict()["state"][k]["exp_avg"])
+
+
+def test_training_with_the_optimizer_on_the_host_matches(make_cfg):
+    free = train(make_cfg("device-opt", steps=5))
+    cfg = make_cfg("host-opt", steps=5)
+    cfg.memory.optimizer_offload = "on"
+    res = train(cfg)
+    assert res.losses == free.losses  # bitwise, step for step
+    rows = json.loads((Path(cfg.run_dir) / "memory" / "plans.json").read_text())
+    assert rows[0]["optimizer_offload"] is True and rows[0]["offload_s_per_step"] > 0
+
+
+def test_the_planner_offloads_only_where_nothing_fits_otherwise(make_cfg, tmp_path):
+    from hetforge.memory.device_plan import plan_for_config
+    from hetforge.memory.milp import PlanError
+
+    cfg = make_cfg("budget")
+    model_cfg = GPTNeoXConfig.from_model_config(cfg.model, 512)
+    cpu = torch.device("cpu")
+    cfg.memory.budget = "1GiB"
+    roomy = plan_for_config(cfg, model_cfg, cpu, 4, None, tmp_path)
+    assert not roomy.optimizer_offload
+    static = roomy.profile.static
+    # room for weights, gradients and activations, not for Adam's 8 bytes a parameter
+    cfg.memory.budget = str(int(static["weights"] + static["gradients"] + roomy.keep_all.activation_peak))
+    tight = plan_for_config(cfg, model_cfg, cpu, 4, None, tmp_path)
+    assert tight.optimizer_offload and tight.offload_s > 0
+    assert tight.prediction.peak_bytes <= float(cfg.memory.budget)
+    cfg.memory.optimizer_offload = "off"
+    with pytest.raises(PlanError, match="optimizer_offload"):
+        plan_for_config(cfg, model_cfg, cpu, 4, None, tmp_path)
