@@ -133,6 +133,7 @@ class TrainConfig(_Strict):
     final_eval_batches: int = Field(64, ge=1)  # the end-of-run validation is larger
     checkpoint_interval: int = Field(100, ge=1)
     keep_checkpoints: int = Field(2, ge=2)
+    save_checkpoints: bool = True  # false for benchmarks: no checkpoint is written, so none resumes
     peak_tflops: float | None = Field(None, gt=0)  # None: measured with a matmul benchmark
     tensorboard: bool = True
     progress: bool = True

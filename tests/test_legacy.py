@@ -145,3 +145,24 @@ def test_the_planner_offloads_only_where_nothing_fits_otherwise(make_cfg, tmp_pa
     cfg.memory.optimizer_offload = "off"
     with pytest.raises(PlanError, match="optimizer_offload"):
         plan_for_config(cfg, model_cfg, cpu, 4, None, tmp_path)
+
+
+def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    """bench/gpu_check.sh --dry-run: the GPU check's every step, on the CPU with tiny sizes."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    res = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"], cwd=root,
+                         env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads((tmp_path / "results.json").read_text())
+    assert {r["preset"] for r in out["throughput"]} == {"tiny", "small"}
+    assert {r["precision"] for r in out["throughput"]} == {"bf16", "fp16"}
+    assert all(r["tokens_per_s"] > 0 for r in out["throughput"])
+    assert [r["budget_fraction"] for r in out["plans"]] == [1.0, 0.6, 0.35]
+    assert all(abs(r["activation_peak_ratio"] - 1) < 0.1 for r in out["plans"])
+    assert out["offload_gradients"]["max_abs_diff"] <= 1e-6
+    assert out["precision_losses"]["relative_difference"] < 0.02
+    assert (tmp_path / "gpu_check.log").stat().st_size > 0
+    assert json.loads(res.stdout.strip().splitlines()[-1])["bench"] == "gpu_check"

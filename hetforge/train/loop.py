@@ -393,6 +393,8 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
     def write_checkpoint(final: bool) -> Path | None:
         """Rank 0 writes; all ranks learn whether it worked, so none waits on a failed one."""
         path, error = None, None
+        if not tc.save_checkpoints:  # a benchmark: nothing to resume, no GBs to write
+            return None
         if ctx.is_main:
             try:
                 path = save_checkpoint(ckpt_root, step, model, optimizer, scaler, checkpoint_state(), tc.keep_checkpoints)

@@ -1,0 +1,204 @@
+"""The GPU check, all in one run (`bench/gpu_check.sh`): what a lent GPU must show, written to $OUT.
+
+1. the device: name, compute capability, memory; the dense-matmul peak measured per precision;
+2. training throughput of the 125M-class and forge-s (1.44B) presets at seq 2048 in bf16 and fp16,
+   a few steps each: tokens/s, TFLOP/s, MFU against the measured peak of that precision;
+3. memory plans at three budgets (100%, 60% and 35% of keep-all's activation memory) for the 125M
+   model: predicted against measured (`torch.cuda.max_memory_allocated`) activation peak and step
+   time, from the training loop's own check;
+4. offload plans give keep-all's gradients (fp32, every option and mixed per-tensor decisions);
+5. fp16 with loss scaling against bf16: the loss after the same steps.
+
+`--dry-run` runs the same steps on the CPU with tiny sizes, so the script is known to work before a
+GPU is lent. Last line: one JSON object with the figures (also in $OUT/results.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hetforge.cluster.capability import detect  # noqa: E402
+from hetforge.config import build_config  # noqa: E402
+from hetforge.memory.executor import apply_plan  # noqa: E402
+from hetforge.memory.milp import menu_for, minimum_budget  # noqa: E402
+from hetforge.memory.plan import OPTIONS, Plan, simulate  # noqa: E402
+from hetforge.memory.profile import profile_model  # noqa: E402
+from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig  # noqa: E402
+from hetforge.scaling.flops import measure_matmul_peak  # noqa: E402
+from hetforge.train.loop import train  # noqa: E402
+from hetforge.train.metrics import read_metrics  # noqa: E402
+
+GPU = {
+    "throughput": [("125m", 8, 20), ("forge-s", 4, 20)],  # preset, micro-batch, steps
+    "seq": 2048, "vocab": 50304, "plan_model": ("125m", 8), "plan_steps": 5,
+    "precision_steps": 200, "precision_model": ("125m", 8),
+}
+DRY = {  # the CPU has no fast fp16: its steps are few
+    "throughput": [("tiny", 4, 6), ("small", 2, 3)],
+    "seq": 64, "vocab": None, "plan_model": ("tiny", 2), "plan_steps": 5,
+    "precision_steps": 8, "precision_model": ("tiny", 2),
+}
+
+
+def raw_config(out: Path, name: str, preset: str, micro: int, steps: int, seq: int, vocab: int | None,
+               precision: str, device: str) -> dict:
+    model = {"preset": preset}
+    if vocab:
+        model["vocab_size"] = vocab
+    return {
+        "name": name, "run_dir": str(out / "runs" / name),
+        "data": {"sources": [{"type": "aclsum"}], "out_dir": str(ROOT / "data_cache" / "aclsum-8k"),
+                 "tokenizer": {"vocab_size": 8192}},
+        "model": model,
+        "train": {"steps": steps, "seq_len": seq, "micro_batch_size": micro, "warmup_steps": 1,
+                  "log_interval": 1, "eval_interval": 10**6, "final_eval_batches": 1, "precision": precision,
+                  "device": device, "tensorboard": False, "progress": False, "save_checkpoints": False},
+    }
+
+
+def throughput(out: Path, spec: dict, device: str, peaks: dict) -> list[dict]:
+    rows = []
+    for preset, micro, steps in spec["throughput"]:
+        for precision in ("bf16", "fp16"):
+            raw = raw_config(out, f"{preset}-{precision}", preset, micro, steps, spec["seq"], spec["vocab"],
+                             precision, device)
+            # a low precision without a fast path (fp16 on a CPU) is held to fp32's peak, not its own
+            peak = max(peaks[precision], peaks["fp32"])
+            raw["train"]["peak_tflops"] = peak / 1e12
+            res = train(build_config(raw), resume="never")
+            recs = read_metrics(Path(raw["run_dir"]) / "metrics.jsonl")["train"][2:] or \
+                read_metrics(Path(raw["run_dir"]) / "metrics.jsonl")["train"]
+            tok_s = statistics.median(r["tokens_per_s"] for r in recs)
+            fpt = res.extra["flops_per_token"]
+            rows.append({"preset": preset, "precision": precision, "micro_batch": micro, "seq": spec["seq"],
+                         "params": res.extra["params"], "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
+                         "mfu": fpt * tok_s / peak, "final_loss": res.losses[max(res.losses)]})
+            print(f"throughput {preset} {precision}: {tok_s:,.0f} tok/s, {fpt * tok_s / 1e12:.2f} TFLOP/s, "
+                  f"MFU {fpt * tok_s / peak:.1%}", flush=True)
+    return rows
+
+
+def plans(out: Path, spec: dict, device: str, precision: str) -> list[dict]:
+    preset, micro = spec["plan_model"]
+    raw = raw_config(out, "plan-keep", preset, micro, spec["plan_steps"], spec["seq"], spec["vocab"], precision,
+                     device)
+    raw["train"]["peak_tflops"] = 1.0  # MFU is not what this step measures
+    cfg = build_config(raw)
+    model_cfg = GPTNeoXConfig.from_model_config(cfg.model, cfg.model.vocab_size or 8192)
+    prof = profile_model(model_cfg, micro, spec["seq"], precision, device, cache_dir=out / "profiles")
+    keep = simulate(prof, Plan(["keep"] * model_cfg.n_layers))
+    lowest = minimum_budget(prof, menu_for("tensor"))
+    rows = []
+    for frac in (1.0, 0.6, 0.35):  # or the feasible minimum where that is higher (the logits can set it)
+        budget = max(prof.base_bytes + frac * (keep.peak_bytes - prof.base_bytes), lowest)
+        raw = raw_config(out, f"plan-{frac}", preset, micro, spec["plan_steps"], spec["seq"], spec["vocab"],
+                         precision, device)
+        raw["memory"] = {"budget": str(int(budget))}
+        raw["train"]["peak_tflops"] = 1.0
+        train(build_config(raw), resume="never")
+        ev = [e for e in read_metrics(Path(raw["run_dir"]) / "metrics.jsonl").get("event", [])
+              if e["event"] == "memory_plan_check"]
+        row = {"budget_fraction": frac, "budget_bytes": budget, **(ev[0] if ev else {"error": "no check recorded"})}
+        rows.append(row)
+        if ev:
+            print(f"plan at {frac:.0%}: activation peak predicted {ev[0]['predicted_activation_peak_bytes'] / 2**20:,.1f} "
+                  f"MiB, measured {ev[0]['measured_activation_peak_bytes'] / 2**20:,.1f} MiB "
+                  f"({ev[0]['activation_peak_ratio']:.3f}x); step {ev[0]['predicted_step_s'] * 1e3:.1f} ms predicted, "
+                  f"{ev[0]['measured_step_s'] * 1e3:.1f} ms measured", flush=True)
+    return rows
+
+
+def offload_gradients(device: str) -> dict:
+    """Keep-all's gradients against every option and some per-tensor decisions, fp32."""
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(n_layers=3, d_model=128, n_heads=4, d_ff=512, vocab_size=512)
+    model = GPTNeoX(cfg).to(device)
+    idx = torch.randint(0, 512, (2, 129), device=device)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(model(idx[:, :-1]).flatten(0, 1), idx[:, 1:].flatten()).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = grads()
+    mixed = ["attn:keep-offload[core,merged] | mlp:recompute-cache[up] | offload[x]",
+             "attn:recompute-cache[qkv,sdpa] | mlp:keep-offload[hidden]"]
+    worst = 0.0
+    for o in list(OPTIONS) + mixed:
+        apply_plan(model, Plan([o] * cfg.n_layers))
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(grads(), ref)))
+    apply_plan(model, None)
+    print(f"offload / recompute plans: max gradient difference to keep-all {worst:.2e}", flush=True)
+    return {"max_abs_diff": worst, "plans": len(OPTIONS) + len(mixed)}
+
+
+def precisions(out: Path, spec: dict, device: str, peaks: dict) -> dict:
+    preset, micro = spec["precision_model"]
+    final = {}
+    for precision in ("bf16", "fp16"):
+        raw = raw_config(out, f"loss-{precision}", preset, micro, spec["precision_steps"], spec["seq"], spec["vocab"],
+                         precision, device)
+        raw["train"]["log_interval"] = max(1, spec["precision_steps"] // 20)
+        raw["train"]["peak_tflops"] = max(peaks[precision], peaks["fp32"]) / 1e12
+        res = train(build_config(raw), resume="never")
+        last = sorted(res.losses)[-5:]
+        final[precision] = sum(res.losses[s] for s in last) / len(last)
+    rel = abs(final["fp16"] / final["bf16"] - 1)
+    print(f"loss after {spec['precision_steps']} steps: bf16 {final['bf16']:.4f}, fp16 {final['fp16']:.4f} "
+          f"({rel:.2%} apart)", flush=True)
+    return {**final, "relative_difference": rel, "steps": spec["precision_steps"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes")
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/gpu_check"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("no CUDA device visible: run with --dry-run to check the script on the CPU")
+    device = "cpu" if args.dry_run else "cuda"
+    spec = DRY if args.dry_run else GPU
+    t0 = time.perf_counter()
+    cap = detect(torch.device(device))
+    results: dict = {"bench": "gpu_check", "dry_run": args.dry_run, "torch": torch.__version__, "device": cap.to_dict()}
+    print(f"device: {cap.describe()}, torch {torch.__version__}", flush=True)
+    size = 256 if args.dry_run else None  # fp16 matmuls on a CPU crawl: a small one tells as much
+    peaks = {p: measure_matmul_peak(device, dt, size=size) for p, dt in
+             (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    results["matmul_peak_tflops"] = {k: v / 1e12 for k, v in peaks.items()}
+    print("matmul peak TFLOP/s: " + ", ".join(f"{k} {v / 1e12:.1f}" for k, v in peaks.items()), flush=True)
+    phases = {}
+    for key, run in (("throughput", lambda: throughput(out, spec, device, peaks)),
+                     ("plans", lambda: plans(out, spec, device, "bf16")),
+                     ("offload_gradients", lambda: offload_gradients(device)),
+                     ("precision_losses", lambda: precisions(out, spec, device, peaks))):
+        t = time.perf_counter()
+        results[key] = run()
+        phases[key] = time.perf_counter() - t
+    results["phase_seconds"] = phases
+    results["seconds"] = time.perf_counter() - t0
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    forge = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["precision"] == "bf16"]
+    print(json.dumps({"bench": "gpu_check", "dry_run": args.dry_run, "seconds": round(results["seconds"], 1),
+                      "forge_s_bf16_mfu": round(forge[0]["mfu"], 4) if forge else None,
+                      "plan_peak_ratios": [round(r.get("activation_peak_ratio", float("nan")), 4) for r in results["plans"]],
+                      "offload_grad_max_diff": results["offload_gradients"]["max_abs_diff"],
+                      "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4)}))
+
+
+if __name__ == "__main__":
+    main()
