@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--budget", default=None, help="device memory budget, e.g. 10GiB (default: memory.budget)")
     p.add_argument("--device", default="auto", help="profile on this torch device: cpu, cuda, cuda:1, auto")
+    p.add_argument("--card", default=None, help="plan for a card that is not here (V100, T4, A100-80GB, ...): its "
+                                               "profile estimated from this machine's (hetforge.memory.analytic)")
     p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
     p.add_argument("--strategy", default=None, choices=["milp", "none", "full", "sqrt", "recompute-only"])
     p.add_argument("--granularity", default=None, choices=["block", "sublayer", "tensor"],
@@ -189,7 +191,7 @@ def cmd_plan(args) -> int:
     from hetforge.config import load_config
     from hetforge.console import console
     from hetforge.cluster.spec import device_memory_bytes
-    from hetforge.memory.device_plan import plan_device, resolve_budget
+    from hetforge.memory.device_plan import PROFILE_CACHE, plan_device, plan_profile, resolve_budget
     from hetforge.memory.milp import baselines
     from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
                                         save_plan, tensors_table, units_table)
@@ -212,12 +214,27 @@ def cmd_plan(args) -> int:
     mem = cfg.memory
     if args.cluster:
         return _plan_cluster(args.cluster, cfg, model_cfg, precision, device, out)
-    budget = resolve_budget(mem, device_memory_bytes(None, device))
-    console.print(f"profiling {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch {micro} x {seq} "
-                  f"tokens, {precision} on {device} ...")
-    dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer)
+    if args.card:
+        from hetforge.cluster.devices import DEVICES, lookup
+        from hetforge.memory.analytic import analytic_profile, usable_bytes
+
+        card = lookup(args.card)
+        if card is None:
+            raise ConfigError(f"--card {args.card!r}: not in the device table ({', '.join(d.name for d in DEVICES)})")
+        budget = resolve_budget(mem, usable_bytes(card)) if mem.budget not in (None, "auto") else usable_bytes(card)
+        prof = analytic_profile(model_cfg, micro, seq, card, cfg.train.optimizer, PROFILE_CACHE)
+        precision, device = prof.meta["precision"], f"{card.name} (estimated; attention: {prof.meta['attention']})"
+        console.print(f"estimating {card.name} for {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch "
+                      f"{micro} x {seq} tokens, {precision}, from this machine's profile ...")
+        dp = plan_profile(prof, model_cfg, mem, micro, budget, cfg.train.optimizer)
+    else:
+        budget = resolve_budget(mem, device_memory_bytes(None, device))
+        console.print(f"profiling {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch {micro} x {seq} "
+                      f"tokens, {precision} on {device} ...")
+        dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer)
     prof = dp.profile
-    console.print(tensors_table(prof))
+    if not args.card:
+        console.print(tensors_table(prof))
     console.print(units_table(prof))
     console.print(decisions_table(dp.plan, prof))
     console.print(breakdown_table(dp.prediction, budget))

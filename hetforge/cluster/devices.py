@@ -22,6 +22,7 @@ class DeviceInfo:
     bf16_tflops: float | None
     compute_capability: tuple[int, int] | None
     power_w: float
+    link_gbps: float = 12.0  # host link as pinned copies see it: PCIe 3 x16 ~12, 4 ~24, 5 ~50 GB/s
 
     def caps(self):
         """As `cluster.capability` describes a detected device."""
@@ -46,13 +47,31 @@ DEVICES: tuple[DeviceInfo, ...] = (
     DeviceInfo("V100-32GB", 32, 15.7, 125.0, None, (7, 0), 300),
     DeviceInfo("T4", 16, 8.1, 65.0, None, (7, 5), 70),
     DeviceInfo("RTX 2080 Ti", 11, 13.4, 53.8, None, (7, 5), 250),
-    DeviceInfo("RTX 3090", 24, 35.6, 71.0, 71.0, (8, 6), 350),
-    DeviceInfo("A100-40GB", 40, 19.5, 312.0, 312.0, (8, 0), 400),
-    DeviceInfo("A100-80GB", 80, 19.5, 312.0, 312.0, (8, 0), 400),
-    DeviceInfo("H100", 80, 67.0, 989.0, 989.0, (9, 0), 700),
-    DeviceInfo("H200", 141, 67.0, 989.0, 989.0, (9, 0), 700),
-    DeviceInfo("MI250X-GCD", 64, 23.9, 191.5, 191.5, None, 280),
+    DeviceInfo("RTX 3090", 24, 35.6, 71.0, 71.0, (8, 6), 350, 24.0),
+    DeviceInfo("A100-40GB", 40, 19.5, 312.0, 312.0, (8, 0), 400, 24.0),
+    DeviceInfo("A100-80GB", 80, 19.5, 312.0, 312.0, (8, 0), 400, 24.0),
+    DeviceInfo("H100", 80, 67.0, 989.0, 989.0, (9, 0), 700, 50.0),
+    DeviceInfo("H200", 141, 67.0, 989.0, 989.0, (9, 0), 700, 50.0),
+    DeviceInfo("MI250X-GCD", 64, 23.9, 191.5, 191.5, None, 280, 24.0),
 )
+
+
+def sdpa_backend(card: DeviceInfo, precision: str, head_dim: int) -> str:
+    """The kernel PyTorch's scaled_dot_product_attention picks on this card (its sdp_utils rules):
+    flash from compute capability 8.0 in 16-bit types, memory-efficient from 5.0, both needing the
+    head size aligned (a multiple of 8 in 16-bit types, of 4 in fp32); otherwise the math kernel,
+    which keeps the whole (sequence x sequence) attention matrix for the backward. AMD cards take
+    ROCm's flash kernels under the same 16-bit and alignment conditions."""
+    half = precision in ("bf16", "fp16")
+    aligned = head_dim % (8 if half else 4) == 0
+    if card.compute_capability is None:  # AMD: ROCm's AOTriton kernels (MI200 / MI300)
+        return "flash" if half and aligned and head_dim <= 256 else "math"
+    cc = card.compute_capability
+    if cc >= (8, 0) and half and aligned and head_dim <= 256:
+        return "flash"
+    if cc >= (5, 0) and aligned:
+        return "mem-efficient"
+    return "math"
 
 
 def _key(name: str) -> str:

@@ -69,13 +69,20 @@ def plan_device(
     budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
     workspace_bytes: float = 0.0,
 ) -> DevicePlan:
-    """Raises PlanError (naming the smallest feasible budget) when nothing fits.
-
-    Optimizer offload (`memory.optimizer_offload`): "on" always; "auto" only when no activation plan
-    fits beside the optimizer's state, since the host step and the copies cost time every step."""
+    """Profile this device and plan on it. Raises PlanError (naming the smallest feasible budget)
+    when nothing fits."""
     link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
     prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
     prof.workspace_bytes = workspace_bytes
+    return plan_profile(prof, model_cfg, mem_cfg, micro_batch, budget, optimizer)
+
+
+def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_batch: int, budget: float | None,
+                 optimizer: str = "adamw") -> DevicePlan:
+    """The plan for a profile, measured here or estimated for another card (`memory.analytic`).
+
+    Optimizer offload (`memory.optimizer_offload`): "on" always; "auto" only when no activation plan
+    fits beside the optimizer's state, since the host step and the copies cost time every step."""
     mode = mem_cfg.optimizer_offload
     offload = mode == "on"
 
