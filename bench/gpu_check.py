@@ -5,7 +5,8 @@
    a few steps each: tokens/s, TFLOP/s, MFU against the measured peak of that precision;
 3. memory plans at three budgets (100%, 60% and 35% of keep-all's activation memory) for the 125M
    model: predicted against measured (`torch.cuda.max_memory_allocated`) activation peak and step
-   time, from the training loop's own check;
+   time, from the training loop's own check; and the analytic model of this card (what the legacy
+   table is made from) against the profile measured on it;
 4. offload plans give keep-all's gradients (fp32, every option and mixed per-tensor decisions);
 5. fp16 with loss scaling against bf16: the loss after the same steps.
 
@@ -32,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 from hetforge.cluster.capability import detect  # noqa: E402
 from hetforge.config import build_config  # noqa: E402
 from hetforge.memory.executor import apply_plan  # noqa: E402
+from hetforge.cluster.devices import lookup  # noqa: E402
+from hetforge.memory.analytic import analytic_profile  # noqa: E402
 from hetforge.memory.milp import menu_for, minimum_budget  # noqa: E402
 from hetforge.memory.plan import OPTIONS, Plan, simulate  # noqa: E402
 from hetforge.memory.profile import profile_model  # noqa: E402
@@ -45,6 +48,8 @@ GPU = {
     "seq": 2048, "vocab": 50304, "plan_model": ("125m", 8), "plan_steps": 5,
     "precision_steps": 200, "precision_model": ("125m", 8),
 }
+ANALYTIC: dict = {}
+
 DRY = {  # the CPU has no fast fp16: its steps are few
     "throughput": [("tiny", 4, 6), ("small", 2, 3)],
     "seq": 64, "vocab": None, "plan_model": ("tiny", 2), "plan_steps": 5,
@@ -99,6 +104,15 @@ def plans(out: Path, spec: dict, device: str, precision: str) -> list[dict]:
     model_cfg = GPTNeoXConfig.from_model_config(cfg.model, cfg.model.vocab_size or 8192)
     prof = profile_model(model_cfg, micro, spec["seq"], precision, device, cache_dir=out / "profiles")
     keep = simulate(prof, Plan(["keep"] * model_cfg.n_layers))
+    # the analytic model (what docs/legacy_gpus.md is made from) against this measured profile
+    card = lookup(torch.cuda.get_device_name() if device == "cuda" else "H200")
+    if card is not None:
+        est = analytic_profile(model_cfg, micro, spec["seq"], card, cache_dir=out / "profiles")
+        est_keep = simulate(est, Plan(["keep"] * model_cfg.n_layers))
+        ANALYTIC.update({"card": card.name, "activation_peak_ratio": est_keep.activation_peak / keep.activation_peak,
+                         "held_ratio": est_keep.held_bytes / keep.held_bytes})
+        print(f"analytic model for {card.name}: keep-all activation peak {ANALYTIC['activation_peak_ratio']:.3f}x the "
+              f"measured profile's, held {ANALYTIC['held_ratio']:.3f}x", flush=True)
     lowest = minimum_budget(prof, menu_for("tensor"))
     rows = []
     for frac in (1.0, 0.6, 0.35):  # or the feasible minimum where that is higher (the logits can set it)
@@ -190,6 +204,7 @@ def main() -> None:
         results[key] = run()
         phases[key] = time.perf_counter() - t
     results["phase_seconds"] = phases
+    results["analytic_vs_measured"] = ANALYTIC
     results["seconds"] = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(results, indent=1))
     forge = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["precision"] == "bf16"]

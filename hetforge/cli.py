@@ -225,7 +225,7 @@ def cmd_plan(args) -> int:
         prof = analytic_profile(model_cfg, micro, seq, card, cfg.train.optimizer, PROFILE_CACHE)
         precision, device = prof.meta["precision"], f"{card.name} (estimated; attention: {prof.meta['attention']})"
         console.print(f"estimating {card.name} for {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch "
-                      f"{micro} x {seq} tokens, {precision}, from this machine's profile ...")
+                      f"{micro} x {seq} tokens, {precision}, attention {prof.meta['attention']}, from this machine's profile ...")
         dp = plan_profile(prof, model_cfg, mem, micro, budget, cfg.train.optimizer)
     else:
         budget = resolve_budget(mem, device_memory_bytes(None, device))

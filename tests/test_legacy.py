@@ -163,6 +163,55 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert [r["budget_fraction"] for r in out["plans"]] == [1.0, 0.6, 0.35]
     assert all(abs(r["activation_peak_ratio"] - 1) < 0.1 for r in out["plans"])
     assert out["offload_gradients"]["max_abs_diff"] <= 1e-6
+    assert abs(out["analytic_vs_measured"]["activation_peak_ratio"] - 1) < 0.25
     assert out["precision_losses"]["relative_difference"] < 0.02
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
     assert json.loads(res.stdout.strip().splitlines()[-1])["bench"] == "gpu_check"
+
+
+def test_attention_kernel_per_card():
+    from hetforge.cluster.devices import lookup, sdpa_backend
+
+    assert sdpa_backend(lookup("A100-80GB"), "bf16", 64) == "flash"
+    assert sdpa_backend(lookup("V100"), "fp16", 64) == "mem-efficient"  # no flash before 8.0
+    assert sdpa_backend(lookup("GTX 1080 Ti"), "fp32", 64) == "mem-efficient"
+    assert sdpa_backend(lookup("H100"), "bf16", 86) == "math"  # FORGE-s's head size: not a multiple of 8
+    assert sdpa_backend(lookup("A100-80GB"), "fp32", 64) == "mem-efficient"  # flash is 16-bit only
+    assert sdpa_backend(lookup("MI250X"), "bf16", 128) == "flash"
+
+
+def test_analytic_profile_matches_a_measured_one(tmp_path):
+    """Scaled from two short proxies, the estimate of a bigger micro-batch x sequence matches the
+    profile measured at that size (same machine, so only the scaling is tested), and a card whose
+    attention falls back to the math kernel keeps the attention probabilities on top."""
+    from hetforge.cluster.devices import lookup
+    from hetforge.memory.analytic import analytic_profile
+    from hetforge.memory.profile import profile_model
+
+    cfg = GPTNeoXConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=512)
+    est = analytic_profile(cfg, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32)
+    real = profile_model(cfg, 4, 256, "bf16", "cpu", cache_dir=tmp_path, repeats=1)
+    for got, want in ((est, real),):
+        assert got.blocks[0].cost("keep").held == pytest.approx(want.blocks[0].cost("keep").held, rel=0.10)
+        assert got.blocks[0].peaks["keep/keep"][1] == pytest.approx(want.blocks[0].peaks["keep/keep"][1], rel=0.15)
+        assert got.head_peak == pytest.approx(want.head_peak, rel=0.15)
+    odd = GPTNeoXConfig(n_layers=2, d_model=72, n_heads=4, d_ff=288, vocab_size=512)  # head size 18
+    flash = analytic_profile(odd, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32)
+    assert flash.meta["attention"] == "math"
+    core = {u.name: u.bytes for u in flash.blocks[0].units}["attn.core"]
+    assert core >= 4 * 4 * 256 * 256 * 2  # micro-batch x heads x seq^2, 2 bytes
+
+
+def test_plan_for_a_card_that_is_not_here(make_cfg, tmp_path, capsys):
+    import yaml
+
+    from hetforge.cli import main
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(make_cfg("card").model_dump(mode="json")))
+    assert main(["plan", str(path), "--card", "V100", "--micro-batch", "2", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "estimating V100" in out and "fp16" in out and "mem-efficient" in out
+    assert json.loads((tmp_path / "p" / "plan.json").read_text())["budget"] < 16 * 2**30
+    assert main(["plan", str(path), "--card", "Z9000", "--out", str(tmp_path / "p")]) == 2
+    assert "not in the device table" in capsys.readouterr().err
