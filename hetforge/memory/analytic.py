@@ -24,6 +24,7 @@ from hetforge.memory.profile import profile_model
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PROXY_SEQ = 128
+PROXY_LINK = 16e9  # bytes/s; the profile records it, the analytic profile replaces it
 EFFICIENCY = 0.45  # the share of the datasheet peak a training step's matmuls reach
 CONTEXT_BYTES = 0.75 * 2**30  # CUDA context, cuBLAS workspace and allocator slack
 
@@ -44,7 +45,8 @@ def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: Devic
     proxy_precision = "bf16" if precision in ("bf16", "fp16") else "fp32"  # 2-byte dtypes either way
     # Two proxies: every figure is a constant (16-bit weight copies that autocast keeps, parameter-
     # sized gradient buffers) plus a part that grows with the tokens; two points give both.
-    lo, hi = (profile_model(cfg, 1, s_, proxy_precision, "cpu", card.link_gbps * 1e9, optimizer, cache_dir,
+    # The proxies' link is a placeholder (the card's own is set below): one pair of proxies serves every card.
+    lo, hi = (profile_model(cfg, 1, s_, proxy_precision, "cpu", PROXY_LINK, optimizer, cache_dir,
                             repeats=1) for s_ in (proxy_seq, 2 * proxy_seq))
     tokens = micro_batch * seq
 

@@ -273,6 +273,10 @@ def solve(
             f"budget {format_bytes(budget)} is below the {parts} alone ({format_bytes(profile.static_bytes)}); "
             f"no activation plan can help: use {hint}"
         )
+    keep = Plan(["keep"] * len(profile.blocks), strategy)
+    if simulate(profile, keep).peak_bytes <= budget:  # nothing is faster than keeping everything
+        keep.solve = {"status": "keep-all fits", "seconds": 0.0, "gap": 0.0, "variables": 0, "constraints": 0}
+        return keep
     start = feasible_plan(profile, menu, budget)
     if start is None:
         need = minimum_budget(profile, menu)
