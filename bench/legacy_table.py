@@ -7,8 +7,12 @@ activation plan, the optimizer's state on the host), the largest micro-batch up 
 the plan there and its predicted samples per second. Profiles of the blocks are measured once on this
 machine and cached, so a second run takes seconds.
 
-    .venv/bin/python bench/legacy_table.py            # writes docs/legacy_gpus.md (~10 min the first time)
+    .venv/bin/python bench/legacy_table.py --presets 125m,350m,forge-s   # docs/legacy_gpus.md, 12 min cold
     .venv/bin/python bench/legacy_table.py --presets 125m,350m --cards V100,T4
+
+Cold, the proxies of a preset take about as long as its block is wide squared: 125M and 350M about a
+minute each on 2 CPU cores, FORGE-s 6 min, FORGE-m and FORGE-l (5120 and 6144 wide) an estimated
+35 and 55 min; the committed table has the first three.
 
 Last line: one JSON object with the figures.
 """
@@ -85,6 +89,8 @@ def main() -> None:
         "Attention: `flash` and `mem-efficient` keep O(sequence) per head; `math` (no kernel for that card,",
         "dtype or head size: FORGE-s's head size 86 is not a multiple of 8) keeps the sequence x sequence",
         "attention probabilities of every layer for the backward.",
+        "",
+        f"Presets in this table: {', '.join(args.presets.split(','))}.",
         "",
         "| card | preset | precision | attention | weights+grads+Adam / usable (GiB) | micro-batch 1 | largest micro-batch (<=16): plan | samples/s there |",
         "|---|---|---|---|---|---|---|---|",

@@ -202,6 +202,38 @@ def test_analytic_profile_matches_a_measured_one(tmp_path):
     assert core >= 4 * 4 * 256 * 256 * 2  # micro-batch x heads x seq^2, 2 bytes
 
 
+def test_fp32_matmul_keeps_16bit_dtypes_results_and_saved_bytes():
+    """The analytic proxy's fp32 tiles (this CPU's bf16 matmul is ~300x slower): same dtype and,
+    within bf16 rounding, same result as the 16-bit op, for shapes that are not tile multiples, and
+    a profile whose saved bytes and head peak are those of the native 16-bit run."""
+    from hetforge.memory.profile import Fp32Matmul, profile_model
+
+    torch.manual_seed(0)
+    a, b = torch.randn(300, 70), torch.randn(70, 513)
+    bias, col = torch.randn(513), torch.randn(300, 1)
+    for dt in (torch.bfloat16, torch.float16):
+        x, y = a.to(dt), b.to(dt)
+        with Fp32Matmul():
+            got = [x @ y, torch.addmm(bias.to(dt), x, y), torch.addmm(col.to(dt), x, y, beta=0.5, alpha=2.0)]
+        xf, yf = x.float(), y.float()  # the 16-bit inputs, exactly
+        want = [xf @ yf, bias.to(dt).float() + xf @ yf, 0.5 * col.to(dt).float() + 2.0 * (xf @ yf)]
+        for g, w in zip(got, want):
+            assert g.dtype == dt and g.shape == w.shape
+            torch.testing.assert_close(g.float(), w.to(dt).float(), rtol=1e-2, atol=1e-2)
+    with Fp32Matmul():  # fp32 passes through untouched
+        assert torch.equal(a @ b, torch.mm(a, b))
+
+    cfg = GPTNeoXConfig(n_layers=1, d_model=64, n_heads=4, d_ff=256, vocab_size=512)
+    native = profile_model(cfg, 2, 64, "bf16", "cpu", 16e9, repeats=1)
+    tiled = profile_model(cfg, 2, 64, "bf16", "cpu", 16e9, repeats=1, fp32_matmul=True)
+    assert [(u.name, u.bytes, u.host_bytes) for u in tiled.blocks[0].units] == \
+        [(u.name, u.bytes, u.host_bytes) for u in native.blocks[0].units]
+    assert tiled.head_held == native.head_held
+    assert tiled.head_peak == pytest.approx(native.head_peak, rel=0.02)
+    for mode, peaks in native.blocks[0].peaks.items():  # no fp32 copies counted in the peaks
+        assert tiled.blocks[0].peaks[mode] == pytest.approx(peaks, rel=0.02)
+
+
 def test_plan_for_a_card_that_is_not_here(make_cfg, tmp_path, capsys):
     import yaml
 

@@ -46,8 +46,10 @@ def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: Devic
     # Two proxies: every figure is a constant (16-bit weight copies that autocast keeps, parameter-
     # sized gradient buffers) plus a part that grows with the tokens; two points give both.
     # The proxies' link is a placeholder (the card's own is set below): one pair of proxies serves every card.
+    # 16-bit matmuls run in fp32 tiles (`Fp32Matmul`): this CPU's own bf16 matmul is ~300x slower
+    # and only the dtypes matter here, as the times are taken from FLOPs below.
     lo, hi = (profile_model(cfg, 1, s_, proxy_precision, "cpu", PROXY_LINK, optimizer, cache_dir,
-                            repeats=1) for s_ in (proxy_seq, 2 * proxy_seq))
+                            repeats=1, fp32_matmul=True) for s_ in (proxy_seq, 2 * proxy_seq))
     tokens = micro_batch * seq
 
     def at(a: float, b: float) -> float:  # the figure at `tokens`, from its values at proxy_seq and twice that
