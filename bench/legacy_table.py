@@ -11,8 +11,8 @@ machine and cached, so a second run takes seconds.
     .venv/bin/python bench/legacy_table.py --presets 125m,350m --cards V100,T4
 
 Cold, the proxies of a preset take about as long as its block is wide squared: 125M and 350M about a
-minute each on 2 CPU cores, FORGE-s 6 min, FORGE-m and FORGE-l (5120 and 6144 wide) an estimated
-35 and 55 min; the committed table has the first three.
+minute each on 2 CPU cores, FORGE-s 6 min; FORGE-m's first (shortest) proxy took 14 min, so FORGE-m
+and FORGE-l (5120 and 6144 wide) need an estimated 1 h and 1.5 h; the committed table has the first three.
 
 Last line: one JSON object with the figures.
 """
