@@ -10,6 +10,7 @@ Needs the bench extra: pip install -e '.[bench]'.
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hetforge.data.shards import TokenShard  # noqa: E402
-from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig  # noqa: E402
+from hetforge.model.gpt_neox import GPTNeoX  # noqa: E402
 from hetforge.model.presets import PRESETS  # noqa: E402
 
 SEQ = 128
@@ -39,10 +40,10 @@ def main(out: str, k: str, steps: str, batch: str) -> None:
     k, steps, batch = float(k), int(steps), int(batch)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    p = PRESETS["tiny"]
+    shape = replace(PRESETS["tiny"], vocab_size=4096)
     data = TokenShard(ROOT / "data_cache" / "aclsum-4k", "train").tokens
     torch.manual_seed(0)
-    model = GPTNeoX(GPTNeoXConfig(p["n_layers"], p["d_model"], p["n_heads"], p["d_ff"], 4096))
+    model = GPTNeoX(shape)
     config = {
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": batch // world,

@@ -13,6 +13,7 @@ Last line: one JSON object with the figures.
 
 from __future__ import annotations
 
+from dataclasses import replace
 import argparse
 import json
 import statistics
@@ -31,7 +32,7 @@ from hetforge.data.prepare import prepare  # noqa: E402
 from hetforge.data.tokenizer import load_tokenizer  # noqa: E402
 from hetforge.evaluate.lm_eval_adapter import HetforgeLM, evaluate  # noqa: E402
 from hetforge.evaluate.multiple_choice import load_task, score_task  # noqa: E402
-from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig  # noqa: E402
+from hetforge.model.gpt_neox import GPTNeoX  # noqa: E402
 from hetforge.model.presets import PRESETS  # noqa: E402
 
 
@@ -45,8 +46,7 @@ def main() -> None:
                                  "tokenizer": {"vocab_size": 8192}}})
     data = prepare(cfg.data, progress=False, verbose=False)
     tok = load_tokenizer(data.out_dir / "tokenizer.json")
-    p = PRESETS["small"]
-    model = GPTNeoX(GPTNeoXConfig(p["n_layers"], p["d_model"], p["n_heads"], p["d_ff"], data.meta["vocab_size"])).eval()
+    model = GPTNeoX(replace(PRESETS["small"], vocab_size=data.meta["vocab_size"])).eval()
     _, items = load_task("sci-mc")
     task = Path(tempfile.mkdtemp(prefix="hetforge-eval-bench-")) / "sci_mc_x.jsonl"
     task.write_text("".join(json.dumps({"question": it.question, "choices": it.choices, "answer": it.answer}) + "\n"

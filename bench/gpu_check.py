@@ -30,10 +30,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hetforge.cluster.capability import detect  # noqa: E402
+from hetforge.core.hardware import detect  # noqa: E402
 from hetforge.config import build_config  # noqa: E402
 from hetforge.memory.executor import apply_plan  # noqa: E402
-from hetforge.cluster.devices import lookup  # noqa: E402
+from hetforge.core.hardware import lookup  # noqa: E402
 from hetforge.memory.analytic import analytic_profile  # noqa: E402
 from hetforge.memory.milp import menu_for, minimum_budget  # noqa: E402
 from hetforge.memory.plan import OPTIONS, Plan, simulate  # noqa: E402
@@ -41,7 +41,7 @@ from hetforge.memory.profile import profile_model  # noqa: E402
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig  # noqa: E402
 from hetforge.scaling.flops import measure_matmul_peak  # noqa: E402
 from hetforge.train.loop import train  # noqa: E402
-from hetforge.train.metrics import read_metrics  # noqa: E402
+from hetforge.core.metrics import read_metrics  # noqa: E402
 
 GPU = {
     "throughput": [("125m", 8, 20), ("forge-s", 4, 20)],  # preset, micro-batch, steps

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from hetforge.config import build_config  # noqa: E402
 from hetforge.data.prepare import prepare  # noqa: E402
-from hetforge.train.metrics import read_metrics  # noqa: E402
+from hetforge.core.metrics import read_metrics  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 

@@ -27,12 +27,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hetforge.cluster.devices import DEVICES, lookup  # noqa: E402
+from hetforge.core.hardware import DEVICES, lookup  # noqa: E402
 from hetforge.config import MemoryConfig  # noqa: E402
 from hetforge.memory.analytic import EFFICIENCY, analytic_profile, block_summary, usable_bytes  # noqa: E402
 from hetforge.memory.device_plan import PROFILE_CACHE, plan_profile  # noqa: E402
 from hetforge.memory.milp import PlanError  # noqa: E402
-from hetforge.memory.profile import static_bytes  # noqa: E402
+from hetforge.model.accounting import static_bytes  # noqa: E402
 from hetforge.model.gpt_neox import GPTNeoXConfig  # noqa: E402
 from hetforge.model.presets import PRESETS  # noqa: E402
 
@@ -96,8 +96,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for preset in args.presets.split(","):
-        p = PRESETS[preset]
-        cfg = GPTNeoXConfig(p["n_layers"], p["d_model"], p["n_heads"], p["d_ff"], p["vocab_size"])
+        cfg = PRESETS[preset]
         for name in args.cards.split(","):
             card = lookup(name)
             if card.name in NOT_BUILT:

@@ -33,9 +33,10 @@ from hetforge.config import build_config  # noqa: E402
 from hetforge.data.prepare import prepare  # noqa: E402
 from hetforge.data.shards import TokenShard  # noqa: E402
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig  # noqa: E402
-from hetforge.scaling.flops import flops_per_token, measure_matmul_peak  # noqa: E402
+from hetforge.model.accounting import flops_per_token  # noqa: E402
+from hetforge.scaling.flops import measure_matmul_peak  # noqa: E402
 from hetforge.train.loop import train  # noqa: E402
-from hetforge.train.metrics import read_metrics  # noqa: E402
+from hetforge.core.metrics import read_metrics  # noqa: E402
 
 
 def plain_loop(model_cfg: GPTNeoXConfig, data_dir: Path, steps: int, batch: int, seq: int,
@@ -99,7 +100,7 @@ def main() -> None:
     cfg = build_config(raw)
     data = prepare(cfg.data, progress=False)
     model_cfg = GPTNeoXConfig.from_model_config(cfg.model, data.meta["vocab_size"])
-    fpt = flops_per_token(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size, seq)
+    fpt = flops_per_token(model_cfg, seq)
 
     results: dict[str, float] = {}
     for dtype in ("fp32", "bf16"):

@@ -1,4 +1,4 @@
-"""`hetforge` command line: prepare · plan · train · balance · eval · generate · demo."""
+"""`hetforge` command line: one entry point for every command (`hetforge --help` lists them)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 from hetforge.config import ConfigError
+from hetforge.core.errors import HetforgeError
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+# Package data, so that `hetforge demo` works from a wheel too (configs/demo.yaml links here).
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:
@@ -139,7 +141,7 @@ def cmd_prepare(args) -> int:
 def _print_train_summary(result, eval_result=None) -> None:
     from rich.table import Table
 
-    from hetforge.console import console
+    from hetforge.core.console import console
 
     t = Table(title=f"run {result.run_dir}", show_header=False)
     last = max(result.losses) if result.losses else None
@@ -189,14 +191,14 @@ def cmd_balance(args) -> int:
 
 def cmd_plan(args) -> int:
     from hetforge.config import load_config
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.cluster.spec import device_memory_bytes
     from hetforge.memory.device_plan import PROFILE_CACHE, plan_device, plan_profile, resolve_budget
     from hetforge.memory.milp import baselines
     from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
                                         save_plan, tensors_table, units_table)
     from hetforge.model.gpt_neox import GPTNeoXConfig
-    from hetforge.train.precision import resolve_device, resolve_precision
+    from hetforge.core.precision import resolve_device, resolve_precision
 
     overrides = list(args.overrides)
     if args.budget is not None:
@@ -215,7 +217,7 @@ def cmd_plan(args) -> int:
     if args.cluster:
         return _plan_cluster(args.cluster, cfg, model_cfg, precision, device, out)
     if args.card:
-        from hetforge.cluster.devices import DEVICES, lookup
+        from hetforge.core.hardware import DEVICES, lookup
         from hetforge.memory.analytic import analytic_profile, usable_bytes
 
         card = lookup(args.card)
@@ -264,10 +266,10 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
 
     from hetforge.cluster.probe import candidate_sizes
     from hetforge.config import ClusterConfig, ConfigError
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.memory.device_plan import feasible_plans
     from hetforge.memory.milp import PlanError
-    from hetforge.memory.plan import format_bytes
+    from hetforge.core.sizes import format_bytes
     from hetforge.cluster.spec import cluster_nodes
 
     nodes = cluster_nodes(ClusterConfig(file=path))
@@ -313,7 +315,7 @@ def _scale_sweep(args) -> int:
     import shlex
 
     from hetforge.config import load_config
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.scaling.sweep import collect, plan_sweep, write_rows
     from hetforge.train.loop import train
 
@@ -344,7 +346,7 @@ def _scale_sweep(args) -> int:
 def _scale_fit(args) -> int:
     from rich.table import Table
 
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.scaling.fit import fit_law, plot_fit, save_fit
     from hetforge.scaling.laws import ScalingError
     from hetforge.scaling.sweep import collect
@@ -388,7 +390,7 @@ def _scale_fit(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.scaling.accounting import report_table, run_report, write_report
     from hetforge.train.metrics import plot_loss_curve
 
@@ -412,7 +414,7 @@ def cmd_size(args) -> int:
     from rich.table import Table
 
     from hetforge.config import ClusterConfig
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.cluster.spec import cluster_nodes
     from hetforge.scaling.laws import EPOCH, LossLaw, ScalingError
     from hetforge.scaling.sizing import cluster_rate, recommend
@@ -448,7 +450,7 @@ def cmd_size(args) -> int:
         for o in rows:
             wall, energy = cost(o)
             out.append({"params": o.params, "tokens": o.tokens, "tokens_per_param": o.tokens_per_param,
-                        "loss": o.loss, "flops": o.flops, "shape": o.shape.__dict__, "wall_s": wall,
+                        "loss": o.loss, "flops": o.flops, "shape": {k: getattr(o.shape, k) for k in ("n_layers", "d_model", "n_heads", "d_ff")}, "wall_s": wall,
                         "energy_j": energy, "optimal": o is best})
         print(json.dumps({"law": law.to_dict(), "compute": budget, "preset": best.preset,
                           "cluster": rate.describe() if rate else None, "options": out}))
@@ -481,19 +483,25 @@ def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
     from hetforge.data.shards import PackedSamples, TokenShard
     from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
     from hetforge.evaluate.perplexity import evaluate
-    from hetforge.train.checkpoint import load_for_inference
-    from hetforge.train.precision import resolve_device
+    from hetforge.model.load import load_for_inference
+    from hetforge.core.precision import resolve_device
 
     device = resolve_device("auto")
     model, state = load_for_inference(checkpoint, device)
     samples = PackedSamples(TokenShard(state["data_dir"], split), state["seq_len"], split)
+    meta = json.loads((Path(state["data_dir"]) / "meta.json").read_text())
+    if state.get("data_fingerprint") and meta.get("fingerprint") != state["data_fingerprint"]:
+        from hetforge.core.console import warn
+
+        warn(f"{state['data_dir']} was prepared again since {state['path']} was trained on it "
+             f"(data fingerprint {meta.get('fingerprint', '?')[:12]}, the checkpoint's {state['data_fingerprint'][:12]})")
     tok = load_tokenizer(state["tokenizer"])
     res = evaluate(model, samples, batch_size, device, max_batches, token_byte_lengths(tok))
     return model, state, tok, res
 
 
 def cmd_eval(args) -> int:
-    from hetforge.console import console
+    from hetforge.core.console import console
 
     if args.task:
         return _eval_tasks(args)
@@ -515,11 +523,11 @@ def cmd_eval(args) -> int:
 def _eval_tasks(args) -> int:
     from rich.table import Table
 
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.data.tokenizer import load_tokenizer
     from hetforge.evaluate.multiple_choice import load_task, score_task
-    from hetforge.train.checkpoint import load_for_inference
-    from hetforge.train.precision import resolve_device
+    from hetforge.model.load import load_for_inference
+    from hetforge.core.precision import resolve_device
 
     device = resolve_device("auto")
     model, state = load_for_inference(args.checkpoint, device)
@@ -554,11 +562,11 @@ def _eval_tasks(args) -> int:
 def cmd_heads(args) -> int:
     from rich.table import Table
 
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.data.tokenizer import load_tokenizer
     from hetforge.evaluate.heads import REPORTS, TASKS, held_out
-    from hetforge.train.checkpoint import load_for_inference
-    from hetforge.train.precision import resolve_device
+    from hetforge.model.load import load_for_inference
+    from hetforge.core.precision import resolve_device
 
     device = resolve_device("auto")
     model, state = load_for_inference(args.checkpoint, device)
@@ -594,8 +602,8 @@ def _sample(model, state, tok, prompt, max_new, temperature, top_k, seed) -> str
 
 def cmd_generate(args) -> int:
     from hetforge.data.tokenizer import load_tokenizer
-    from hetforge.train.checkpoint import load_for_inference
-    from hetforge.train.precision import resolve_device
+    from hetforge.model.load import load_for_inference
+    from hetforge.core.precision import resolve_device
 
     model, state = load_for_inference(args.checkpoint, resolve_device("auto"))
     tok = load_tokenizer(state["tokenizer"])
@@ -605,7 +613,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.export.hf import export_hf, import_hf
 
     if args.to:
@@ -620,7 +628,7 @@ def cmd_export(args) -> int:
 
 def cmd_demo(args) -> int:
     from hetforge.config import load_config
-    from hetforge.console import console
+    from hetforge.core.console import console
     from hetforge.train.loop import train
 
     t0 = time.perf_counter()
@@ -646,11 +654,9 @@ COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from hetforge.errors import USER_ERRORS
-
     try:
         return COMMANDS[args.command](args)
-    except USER_ERRORS as err:
+    except HetforgeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

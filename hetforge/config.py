@@ -14,11 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hetforge.core.errors import ConfigError
+from hetforge.core.sizes import parse_size
 from hetforge.model.presets import PRESETS
 
-
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the user (field name + allowed values)."""
+__all__ = ["ConfigError", "RunConfig", "load_config", "build_config", "dump_config"]
 
 
 class _Strict(BaseModel):
@@ -89,7 +89,7 @@ class ModelConfig(_Strict):
             p = PRESETS[self.preset]
             for key in ("n_layers", "d_model", "n_heads", "d_ff"):
                 if getattr(self, key) is None:
-                    object.__setattr__(self, key, p[key])
+                    object.__setattr__(self, key, getattr(p, key))
         for key in ("n_layers", "d_model", "n_heads"):
             if getattr(self, key) is None:
                 raise ValueError(f"`{key}` is required when no preset is given")
@@ -164,8 +164,9 @@ class TrainConfig(_Strict):
 class DeviceSpec(_Strict):
     """One kind of device on a node. `memory_gb` and `speed` are optional: what is not declared is
     measured. `slowdown` / `slowdown_from_step` are a simulation knob for tests and benchmarks on
-    one machine: the rank sleeps (slowdown - 1) x its compute time after every micro-step, i.e. it
-    behaves like a device `slowdown` times slower (from that step on)."""
+    one machine: after each forward the rank sleeps (slowdown - 1) x 3 x the forward's time (a
+    forward and its backward take about 3 forwards), i.e. it behaves like a device `slowdown` times
+    slower (from that step on); see `cluster.spec.Slowdown`."""
 
     type: str = "cpu"
     count: int = Field(1, ge=1)
@@ -235,8 +236,6 @@ class MemoryConfig(_Strict):
     def _budget(cls, v):
         if v is None or v == "auto":
             return v
-        from hetforge.memory.plan import parse_size
-
         try:
             if parse_size(v) <= 0:
                 raise ValueError

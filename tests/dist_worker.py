@@ -11,7 +11,7 @@ from hetforge.cluster.balance import RankInfo, TimeModel, fixed_plan
 from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 from hetforge.train.loop import backward_share
-from hetforge.train.precision import Precision
+from hetforge.core.precision import Precision
 
 SEQ = 32
 CFG = GPTNeoXConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=512)

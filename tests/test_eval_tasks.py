@@ -10,7 +10,7 @@ from hetforge.cli import main
 from hetforge.config import build_config
 from hetforge.data.tokenizer import load_tokenizer
 from hetforge.evaluate.multiple_choice import TaskError, load_task, score_task
-from hetforge.train.checkpoint import load_for_inference
+from hetforge.model.load import load_for_inference
 from hetforge.train.loop import train
 
 PLANTED = [

@@ -10,7 +10,8 @@ import torch
 from hetforge.cli import main
 from hetforge.export.hf import export_hf, import_hf, rotary_fraction
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
-from hetforge.train.checkpoint import load_for_inference, write_weights_checkpoint
+from hetforge.model.load import load_for_inference
+from hetforge.train.checkpoint import write_weights_checkpoint
 from hetforge.train.loop import train
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[hf]')")
@@ -24,8 +25,8 @@ def _checkpoint(tmp_path, data_dir, name: str, **cfg) -> Path:
     with torch.no_grad():  # LayerNorms and biases away from their initial 1 / 0, so all of them count
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    return write_weights_checkpoint(tmp_path / name, model, {
-        "step": 0, "model_config": model.cfg.to_dict(), "tokenizer": str(data_dir / "tokenizer.json"), "seq_len": 64})
+    return write_weights_checkpoint(tmp_path / name, model, {"step": 0, "model_config": model.cfg.to_dict(), "seq_len": 64},
+                                    tokenizer=data_dir / "tokenizer.json")
 
 
 @pytest.mark.parametrize("variant", [

@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 import hetforge.train.loop as loop
-from hetforge.cluster.capability import Capability, detect, from_compute_capability, run_precision
+from hetforge.core.hardware import Capability, detect, from_compute_capability, run_precision
 from hetforge.config import TrainConfig
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 from hetforge.train import checkpoint as ckpt
 from hetforge.train.loop import train
-from hetforge.train.metrics import read_metrics
+from hetforge.core.metrics import read_metrics
 from hetforge.train.optim import HostOffloadOptimizer, build_optimizer
 
 CARDS = {
@@ -85,7 +85,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_goes_on(make
     assert not torch.isfinite(torch.tensor(recs[3]["grad_norm"]))
     assert recs[4]["loss_scale"] == recs[3]["loss_scale"]
     assert all(torch.isfinite(torch.tensor(recs[s]["loss"])) for s in recs) and res.step == 6
-    opt = torch.load(ckpt.resolve(res.run_dir) / "optimizer.pt", weights_only=True)["optimizer"]
+    opt = torch.load(ckpt.resolve(res.run_dir) / "optimizer.pt", weights_only=True)
     assert all(int(s["step"]) == 5 for s in opt["state"].values())  # 6 steps, one skipped
 
 
@@ -170,7 +170,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
 
 
 def test_attention_kernel_per_card():
-    from hetforge.cluster.devices import lookup, sdpa_backend
+    from hetforge.core.hardware import lookup, sdpa_backend
 
     assert sdpa_backend(lookup("A100-80GB"), "bf16", 64) == "flash"
     assert sdpa_backend(lookup("V100"), "fp16", 64) == "mem-efficient"  # no flash before 8.0
@@ -180,21 +180,22 @@ def test_attention_kernel_per_card():
     assert sdpa_backend(lookup("MI250X"), "bf16", 128) == "flash"
 
 
+@pytest.mark.measure
 def test_analytic_profile_matches_a_measured_one(tmp_path):
     """Scaled from two short proxies, the estimate of a bigger micro-batch x sequence matches the
-    profile measured at that size (same machine, so only the scaling is tested), and a card whose
-    attention falls back to the math kernel keeps the attention probabilities on top."""
-    from hetforge.cluster.devices import lookup
+    profile measured at that size with the same matmul path (fp32 tiles, so only the scaling is
+    tested, not which kernels this CPU has), and a card whose attention falls back to the math
+    kernel keeps the attention probabilities on top."""
+    from hetforge.core.hardware import lookup
     from hetforge.memory.analytic import analytic_profile
     from hetforge.memory.profile import profile_model
 
     cfg = GPTNeoXConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256, vocab_size=512)
     est = analytic_profile(cfg, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32)
-    real = profile_model(cfg, 4, 256, "bf16", "cpu", cache_dir=tmp_path, repeats=1)
-    for got, want in ((est, real),):
-        assert got.blocks[0].cost("keep").held == pytest.approx(want.blocks[0].cost("keep").held, rel=0.10)
-        assert got.blocks[0].peaks["keep/keep"][1] == pytest.approx(want.blocks[0].peaks["keep/keep"][1], rel=0.15)
-        assert got.head_peak == pytest.approx(want.head_peak, rel=0.15)
+    real = profile_model(cfg, 4, 256, "bf16", "cpu", cache_dir=tmp_path, repeats=1, fp32_matmul=True)
+    assert est.blocks[0].cost("keep").held == pytest.approx(real.blocks[0].cost("keep").held, rel=0.10)
+    assert est.blocks[0].peaks["keep/keep"][1] == pytest.approx(real.blocks[0].peaks["keep/keep"][1], rel=0.15)
+    assert est.head_peak == pytest.approx(real.head_peak, rel=0.15)
     odd = GPTNeoXConfig(n_layers=2, d_model=72, n_heads=4, d_ff=288, vocab_size=512)  # head size 18
     flash = analytic_profile(odd, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32)
     assert flash.meta["attention"] == "math"
@@ -202,6 +203,7 @@ def test_analytic_profile_matches_a_measured_one(tmp_path):
     assert core >= 4 * 4 * 256 * 256 * 2  # micro-batch x heads x seq^2, 2 bytes
 
 
+@pytest.mark.measure
 def test_fp32_matmul_keeps_16bit_dtypes_results_and_saved_bytes():
     """The analytic proxy's fp32 tiles (this CPU's bf16 matmul is ~300x slower): same dtype and,
     within bf16 rounding, same result as the 16-bit op, for shapes that are not tile multiples, and
@@ -226,12 +228,19 @@ def test_fp32_matmul_keeps_16bit_dtypes_results_and_saved_bytes():
     cfg = GPTNeoXConfig(n_layers=1, d_model=64, n_heads=4, d_ff=256, vocab_size=512)
     native = profile_model(cfg, 2, 64, "bf16", "cpu", 16e9, repeats=1)
     tiled = profile_model(cfg, 2, 64, "bf16", "cpu", 16e9, repeats=1, fp32_matmul=True)
+    # What autograd saves is a matter of dtypes and shapes: exactly the same on either path.
     assert [(u.name, u.bytes, u.host_bytes) for u in tiled.blocks[0].units] == \
         [(u.name, u.bytes, u.host_bytes) for u in native.blocks[0].units]
     assert tiled.head_held == native.head_held
-    assert tiled.head_peak == pytest.approx(native.head_peak, rel=0.02)
+    # Peaks are one-sided: a native 16-bit matmul may allocate scratch buffers of its own (oneDNN's
+    # on AVX-512 CPUs come from the same allocator the meter reads), the tiles never add any, and
+    # no peak is below what the block holds.
+    held = tiled.blocks[0].cost("keep").held
+    assert tiled.head_peak <= native.head_peak * 1.02
     for mode, peaks in native.blocks[0].peaks.items():  # no fp32 copies counted in the peaks
-        assert tiled.blocks[0].peaks[mode] == pytest.approx(peaks, rel=0.02)
+        for t, n in zip(tiled.blocks[0].peaks[mode], peaks):
+            assert 0 < t <= n * 1.02
+    assert tiled.blocks[0].peaks["keep/keep"][0] >= held  # the forward keeping all holds all it saves
 
 
 def test_plan_for_a_card_that_is_not_here(make_cfg, tmp_path, capsys):

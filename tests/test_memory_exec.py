@@ -10,14 +10,14 @@ import torch.nn.functional as F
 import yaml
 
 from hetforge.cli import main
-from hetforge.memory.executor import apply_plan
+from hetforge.memory.executor import apply_plan, runner_of
 from hetforge.memory.measure import PeakMeter
 from hetforge.memory.milp import menu_for, minimum_budget, solve
 from hetforge.memory.plan import OPTIONS, Plan, simulate, sqrt_segments
 from hetforge.memory.profile import profile_model
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 from hetforge.train.loop import train
-from hetforge.train.metrics import read_metrics
+from hetforge.core.metrics import read_metrics
 
 MIXED = [
     "attn:recompute-cache[qkv,sdpa] | mlp:keep-offload[hidden]",
@@ -60,7 +60,7 @@ def test_every_strategy_gives_the_keep_all_gradients(parallel):
         assert diff <= 1e-6, (plan.options, plan.segments, diff)
         assert runner.ledger.device_bytes == 0 and runner.ledger.host_bytes == 0  # all released
     apply_plan(model, None)
-    assert model.block_runner is None
+    assert runner_of(model) is None
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -12,9 +12,10 @@ import yaml
 from scipy.optimize import minimize_scalar
 
 from hetforge.cli import main
-from hetforge.cluster.devices import choose_precision, lookup
+from hetforge.core.hardware import choose_precision, lookup
 from hetforge.scaling.fit import fit_law
-from hetforge.scaling.flops import flops_per_token, matmul_params
+from hetforge.model.accounting import flops_per_token, matmul_params
+from hetforge.model.gpt_neox import GPTNeoXConfig
 from hetforge.scaling.laws import EPOCH, LossLaw, shape_for
 from hetforge.scaling.sizing import cluster_rate, recommend
 
@@ -48,7 +49,7 @@ def test_tokens_mode_inverts_the_optimum():
 
 def test_recommendation_shape_and_neighbours():
     best, rows = recommend(EPOCH, 52000, 2048, compute=1e20)
-    assert best.shape.params(52000) == pytest.approx(EPOCH.optimal_params(1e20), rel=0.10)
+    assert matmul_params(best.shape) == pytest.approx(EPOCH.optimal_params(1e20), rel=0.10)
     assert 40 <= best.shape.d_model / best.shape.n_layers <= 130
     assert best.shape.d_model % best.shape.n_heads == 0
     assert [r.params for r in rows] == sorted(r.params for r in rows)
@@ -62,7 +63,7 @@ def test_recommendation_shape_and_neighbours():
 @pytest.mark.parametrize("target,vocab", [(1e6, 512), (1e8, 32000), (1.4e9, 52000), (2e10, 52000)])
 def test_shapes_hit_their_target(target, vocab):
     s = shape_for(target, vocab)
-    assert s.params(vocab) == pytest.approx(target, rel=0.12)
+    assert matmul_params(s) == pytest.approx(target, rel=0.12)
 
 
 def test_device_table_and_precision():
@@ -123,9 +124,9 @@ def test_flops_per_token_matches_counted_matmuls():
         F.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten()).backward()
     counts = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     linear = (counts["aten.mm"] + counts["aten.addmm"]) / (b * s)
-    assert linear == 6 * matmul_params(3, 64, 256, 128)  # every weight: 2 forward + 4 backward FLOPs
-    assert counter.get_total_flops() / (b * s) == flops_per_token(3, 64, 256, 128, s) + 2 * 3 * 64 * s
-    assert matmul_params(3, 64, 256, 128) == 3 * (4 * 64 * 64 + 2 * 64 * 256) + 128 * 64
+    assert linear == 6 * matmul_params(cfg)  # every weight: 2 forward + 4 backward FLOPs
+    assert counter.get_total_flops() / (b * s) == flops_per_token(cfg, s) + 2 * 3 * 64 * s
+    assert matmul_params(cfg) == 3 * (4 * 64 * 64 + 2 * 64 * 256) + 128 * 64
 
 
 def test_size_command(tmp_path, capsys):
@@ -176,8 +177,9 @@ def test_sweep_fit_and_report(make_cfg, tmp_path, capsys):
     # the report of one run
     assert main(["report", str(out / "L2-d64-T96k"), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["tokens"] == 96256 and rep["matmul_params"] == matmul_params(2, 64, 256, 512)
-    assert rep["model_flops"] == pytest.approx(rep["tokens"] * flops_per_token(2, 64, 256, 512, 64))
+    shape = GPTNeoXConfig(n_layers=2, d_model=64, n_heads=2, d_ff=256, vocab_size=512)
+    assert rep["tokens"] == 96256 and rep["matmul_params"] == matmul_params(shape)
+    assert rep["model_flops"] == pytest.approx(rep["tokens"] * flops_per_token(shape, 64))
     assert rep["tokens_per_param"] == pytest.approx(96256 / rep["matmul_params"])
     assert 0 < rep["mfu"] <= 1 and rep["wall_s"] > 0
     assert rep["energy_j"] == pytest.approx(65.0 * rep["wall_s"])

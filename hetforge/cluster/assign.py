@@ -30,6 +30,8 @@ from hetforge.cluster.dist import DistContext, all_gather_object, broadcast_obje
 from hetforge.cluster.probe import probe
 from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
 from hetforge.config import RunConfig
+from hetforge.memory.device_plan import plan_for_config
+from hetforge.memory.milp import PlanError
 
 PLAN_FILE = "balance.json"
 
@@ -58,9 +60,6 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
 
 def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path,
                     backend: str):
-    from hetforge.memory.device_plan import plan_for_config
-    from hetforge.memory.milp import PlanError
-
     core = getattr(model, "module", model)
 
     def at(b: int):
@@ -100,9 +99,11 @@ def plan_for_run(
         memory_plans = _memory_planner(cfg, model, device, memory, run_dir, ctx.backend)
     tm, facts = probe(model, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
                       Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
-                      memory_plans)
-    gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "facts": facts})
-    infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"], TimeModel(g["points"], g["max_micro"]))
+                      memory_plans, cfg.train.optimizer)
+    gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "step_costs": tm.step_costs,
+                                       "facts": facts})
+    infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"],
+                      TimeModel(g["points"], g["max_micro"], g["step_costs"]))
              for r, g in zip(reports, gathered)]
     B = cfg.train.global_batch_size
     if cfg.cluster.balance == "fixed":
@@ -129,7 +130,7 @@ class DriftMonitor:
     def __init__(self, plan: BalancePlan, threshold: float, window: int, warmup_steps: int = 2):
         self.plan, self.threshold, self.window, self.warmup = plan, threshold, window, warmup_steps
         self.strikes, self.seen = 0, 0
-        self.models = [TimeModel(m["points"], m["max_micro"]) for m in plan.models]
+        self.models = [TimeModel(m["points"], m["max_micro"], m.get("step_costs", [])) for m in plan.models]
 
     def observe(self, compute_s: list[float]) -> BalancePlan | None:
         self.seen += 1

@@ -18,8 +18,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hetforge.core.errors import HetforgeError
+from hetforge.core.sizes import format_bytes
 
-class BalanceError(ValueError):
+
+class BalanceError(HetforgeError, ValueError):
     pass
 
 
@@ -27,9 +30,14 @@ class BalanceError(ValueError):
 class TimeModel:
     points: list[tuple[int, float]]  # (micro-batch, seconds per micro-step), b ascending
     max_micro: int
+    # (micro-batch, seconds per optimizer step) paid once a step by a rank running that micro-batch,
+    # whatever its share: the host optimizer step and copies of a plan that offloads it
+    step_costs: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self):
         self.points = sorted((int(b), float(t)) for b, t in self.points)
+        self.step_costs = sorted((int(b), float(t)) for b, t in self.step_costs)
+        self._step_bs = [b for b, _ in self.step_costs]
         if not self.points:
             raise BalanceError("a time model needs at least one measured point")
         self._bs = [b for b, _ in self.points]
@@ -48,8 +56,17 @@ class TimeModel:
         (b0, t0), (b1, t1) = (pts[i - 1], pts[i]) if i < len(pts) else (pts[-2], pts[-1])
         return max(t0 + (t1 - t0) * (b - b0) / (b1 - b0), 1e-9)
 
+    def step_cost(self, micro: int) -> float:
+        """The once-a-step cost of running micro-batch `micro`: that of the nearest probed size at or
+        above it (what needs its optimizer on the host at b does so above b too)."""
+        if not self.step_costs:
+            return 0.0
+        i = min(bisect.bisect_left(self._step_bs, micro), len(self.step_costs) - 1)
+        return self.step_costs[i][1]
+
     def scaled(self, factor: float) -> "TimeModel":
-        return TimeModel([(b, t * factor) for b, t in self.points], self.max_micro)
+        return TimeModel([(b, t * factor) for b, t in self.points], self.max_micro,
+                         [(b, t * factor) for b, t in self.step_costs])
 
     def samples_per_s(self) -> float:
         return max(b / t for b, t in self.points if b <= self.max_micro)
@@ -59,7 +76,7 @@ class TimeModel:
         for b in sorted({b for b in self._bs if b <= self.max_micro} | {min(n, self.max_micro)}):
             a = math.ceil(n / b)
             q, r = divmod(n, a)  # r micro-steps of q + 1 samples, a - r of q
-            t = r * self(q + 1) + (a - r) * self(q)
+            t = r * self(q + 1) + (a - r) * self(q) + self.step_cost(q + 1 if r else q)
             if best is None or t < best[0] - 1e-15:
                 best = (t, q, r, a)
         return best
@@ -151,8 +168,6 @@ class BalancePlan:
     def table(self, title: str = "batch balance"):
         from rich.table import Table
 
-        from hetforge.memory.plan import format_bytes
-
         t = Table(title=f"{title} ({self.mode}): global batch {self.global_batch}, "
                         f"predicted step {self.predicted_step_s * 1e3:.1f} ms")
         for col in ("rank", "host", "device", "memory", "samples/s", "micro-batch", "accum", "share",
@@ -178,7 +193,7 @@ class RankInfo:
 
 def _models(infos: list[RankInfo]) -> list[dict]:
     """The time models a plan was solved from, kept in the plan so re-balancing can rescale them."""
-    return [{"points": i.model.points, "max_micro": i.model.max_micro} for i in infos]
+    return [{"points": i.model.points, "max_micro": i.model.max_micro, "step_costs": i.model.step_costs} for i in infos]
 
 
 def _shares(infos: list[RankInfo], counts: list[int]) -> list[RankShare]:

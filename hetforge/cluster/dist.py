@@ -17,8 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hetforge.core.errors import HetforgeError
 
-class ClusterError(RuntimeError):
+
+class ClusterError(HetforgeError, RuntimeError):
     pass
 
 
@@ -30,6 +32,9 @@ class DistContext:
     node_rank: int = 0
     host: str = "localhost"
     backend: str | None = None
+    # Host values (step times, stop requests, plans) go over gloo even when gradients go over NCCL,
+    # so that exchanging them never waits for the GPU's queue.
+    host_group: object | None = None
 
     @property
     def is_main(self) -> bool:
@@ -83,6 +88,8 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"hetforge/attempt_{attempt}", store),
                             rank=rank, world_size=world, timeout=timeout)
+    if backend == "nccl":
+        ctx.host_group = dist.new_group(backend="gloo", timeout=timeout)
     return ctx
 
 
@@ -97,21 +104,20 @@ def barrier(ctx: DistContext) -> None:
 
 
 def all_gather_rows(ctx: DistContext, row: torch.Tensor) -> torch.Tensor:
-    """(world, len(row)) float64 tensor of every rank's row, on CPU. Gloo and NCCL alike."""
-    row = row.detach().to(torch.float64).flatten()
+    """(world, len(row)) float64 tensor of every rank's row, on CPU, over the host group."""
+    row = row.detach().to(torch.float64).flatten().cpu()
     if not ctx.distributed:
-        return row.unsqueeze(0).cpu()
-    dev = torch.device("cuda", torch.cuda.current_device()) if ctx.backend == "nccl" else torch.device("cpu")
-    out = [torch.empty_like(row, device=dev) for _ in range(ctx.world_size)]
-    dist.all_gather(out, row.to(dev))
-    return torch.stack(out).cpu()
+        return row.unsqueeze(0)
+    out = [torch.empty_like(row) for _ in range(ctx.world_size)]
+    dist.all_gather(out, row, group=ctx.host_group)
+    return torch.stack(out)
 
 
 def all_gather_object(ctx: DistContext, obj):
     if not ctx.distributed:
         return [obj]
     out = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=ctx.host_group)
     return out
 
 
@@ -119,5 +125,5 @@ def broadcast_object(ctx: DistContext, obj):
     if not ctx.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=ctx.host_group)
     return box[0]

@@ -1,16 +1,21 @@
 """Measuring a rank on the real model: time per micro-step at a few micro-batch sizes, and how many
-samples fit in its memory.
+samples fit in its memory. What the measurements mean for the balance is decided apart, by the pure
+functions below (`largest_fitting`, `planned_points`), so that decisions can be tested on recorded
+figures.
 
-Memory per micro-batch b is estimated as the static part (fp32 weights, gradients and two optimizer
-moments: 16 bytes per parameter) plus b times the activation bytes saved for backward per sample,
-counted exactly with `saved_tensors_hooks` on a one-sample step, plus a 20% workspace margin. On a
-GPU the peak allocated memory of the timed steps is measured and used where it is larger.
+Memory per micro-batch b is estimated as the static part (`model.accounting.static_bytes`: fp32
+weights, gradients and the optimizer's state) plus b times the activation bytes saved for backward
+per sample, counted exactly with `saved_tensors_hooks` on a one-sample step, plus a 20% workspace
+margin. With a memory plan, the planner decides what fits, and a planned micro-batch is priced at its
+measured keep-all time times the planner's predicted slowdown (recomputation, transfers): the share
+follows from the profile, not from the noise of timing a plan twice.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +23,10 @@ from torch import nn
 
 from hetforge.cluster.balance import BalanceError, TimeModel
 from hetforge.cluster.spec import Slowdown
+from hetforge.memory.executor import apply_plan
+from hetforge.model.accounting import static_bytes
 
 WORKSPACE_MARGIN = 1.2
-STATIC_BYTES_PER_PARAM = 16  # fp32 weight + gradient + Adam/LAMB exp_avg and exp_avg_sq
 
 
 def saved_bytes_per_sample(model: nn.Module, seq_len: int, vocab: int, device: torch.device, autocast) -> int:
@@ -53,6 +59,71 @@ def candidate_sizes(cap: int) -> list[int]:
     return sizes + [cap]
 
 
+def largest_fitting(fits: Callable[[int], bool], max_micro: int, bisect: bool) -> int:
+    """The largest micro-batch <= max_micro that fits (1 must fit). With `bisect` (each test is a
+    planner solve) powers of two, then bisection; else every size is tried."""
+    if not bisect:
+        return max(b for b in range(1, max_micro + 1) if fits(b)) if max_micro > 1 else 1
+    limit, hi = 1, 2
+    while hi <= max_micro and fits(hi):
+        limit, hi = hi, hi * 2
+    hi = min(hi, max_micro + 1)
+    while hi - limit > 1:
+        mid = (limit + hi) // 2
+        limit, hi = (mid, hi) if fits(mid) else (limit, mid)
+    return limit
+
+
+def planned_points(keep_all_s: dict[int, float], slowdown: dict[int, float]) -> list[tuple[int, float]]:
+    """(micro-batch, seconds) under each size's plan: the measured keep-all time times the plan's
+    predicted time over keep-all's (1 where no plan is needed)."""
+    return [(b, t * slowdown.get(b, 1.0)) for b, t in sorted(keep_all_s.items())]
+
+
+def planned_step_costs(keep_all_s: dict[int, float], predicted_keep_all_s: dict[int, float],
+                       predicted_step_s: dict[int, float]) -> list[tuple[int, float]]:
+    """(micro-batch, seconds per optimizer step) a plan adds once a step (its optimizer on the host),
+    in the measured time's scale: predicted seconds x measured / predicted keep-all micro-step."""
+    return [(b, predicted_step_s[b] * keep_all_s[b] / predicted_keep_all_s[b])
+            for b in sorted(keep_all_s) if predicted_step_s.get(b, 0.0) > 0 and predicted_keep_all_s.get(b, 0.0) > 0]
+
+
+def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, device: torch.device, autocast,
+               slowdown: Slowdown, steps: int, plans: dict | None = None) -> dict[int, float]:
+    """Median seconds of a forward+backward micro-step at each size (after one warm-up), keep-all
+    unless `plans` gives the size a plan to run under. The parameters are left unchanged."""
+    gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG stream untouched
+    was_training = model.training
+    model.eval()  # same compute; no dropout draws
+    out = {}
+    for b in sizes:
+        x = torch.randint(0, vocab, (b, seq_len + 1), generator=gen).to(device)
+        times = []
+        if plans and b in plans:
+            apply_plan(model, plans[b], measure=False)
+        for i in range(steps + 1):  # first is warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            with autocast():
+                logits = model(x[:, :-1])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            slowdown.after_forward(time.perf_counter() - t0, step=0)  # a later throttle is not probed
+            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        if plans and b in plans:
+            apply_plan(model, None)
+        out[b] = statistics.median(times)
+    model.train(was_training)
+    return out
+
+
 def probe(
     model: nn.Module,
     seq_len: int,
@@ -66,15 +137,14 @@ def probe(
     declared_speed: float | None = None,
     device_label: str = "device",
     memory_plans=None,
+    optimizer: str = "adamw",
 ) -> tuple[TimeModel, dict]:
     """Time model and memory facts of this rank. The model's parameters are left unchanged.
 
     With `memory_plans` (micro-batch -> DevicePlan, or the PlanError saying why none fits), a
-    micro-batch fits when the memory planner finds a plan for it, and it is timed with that plan
-    applied: a device short of memory gets a smaller share and pays its recomputation in the
-    balanced step time."""
-    n_params = sum(p.numel() for p in model.parameters())
-    static = STATIC_BYTES_PER_PARAM * n_params
+    micro-batch fits when the memory planner finds a plan for it: a device short of memory gets a
+    smaller share and pays its planned recomputation in the balanced step time."""
+    static = sum(static_bytes(model.cfg, optimizer).values())
     act = saved_bytes_per_sample(model, seq_len, vocab, device, autocast)
     plans: dict = {}
 
@@ -97,60 +167,32 @@ def probe(
             f"at micro-batch 1 ({static / 2**30:.2f} GiB weights+gradients+optimizer state, "
             f"{act * WORKSPACE_MARGIN / 2**30:.2f} GiB activations); use a smaller model or more memory"
         )
-    if memory_plans is not None:  # planning is a solve per size: search the powers of two, then bisect
-        limit, hi = 1, 2
-        while hi <= max_micro and fits(hi):
-            limit, hi = hi, hi * 2
-        hi = min(hi, max_micro + 1)
-        while hi - limit > 1:
-            mid = (limit + hi) // 2
-            limit, hi = (mid, hi) if fits(mid) else (limit, mid)
-    else:
-        limit = max(b for b in range(1, max_micro + 1) if fits(b)) if max_micro > 1 else 1
+    limit = largest_fitting(fits, max_micro, bisect=memory_plans is not None)
     facts = {"static_bytes": static, "activation_bytes_per_sample": act, "max_micro": limit}
     sizes = [b for b in candidate_sizes(max_micro) if b <= limit]
     if limit not in sizes:
         sizes.append(limit)
-    if declared_speed is not None:  # declared relative speed: no timing needed
-        return TimeModel([(b, b / declared_speed) for b in sizes], limit), facts
-
-    gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG stream untouched
-    was_training = model.training
-    model.eval()  # same compute; no dropout draws
-    points = []
-    peak = 0
-    for b in sizes:
-        x = torch.randint(0, vocab, (b, seq_len + 1), generator=gen).to(device)
-        times = []
-        if memory_plans is not None:
-            from hetforge.memory.executor import apply_plan
-
-            apply_plan(model, plan_at(b).plan, measure=False)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for i in range(steps + 1):  # first is warm-up
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with autocast():
-                logits = model(x[:, :-1])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            slowdown.after_forward(time.perf_counter() - t0, step=0)  # a later throttle is not probed
-            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-            loss.backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:
-                times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-        if memory_plans is not None:
-            apply_plan(model, None)
-        if device.type == "cuda":
-            peak = max(peak, torch.cuda.max_memory_allocated(device))
-        points.append((b, statistics.median(times)))
-    model.train(was_training)
-    facts["measured_peak_bytes"] = peak or None
+    slowdowns, run_planned = {}, {}
     if memory_plans is not None:
+        slowdowns = {b: plan_at(b).prediction.time_s / plan_at(b).keep_all.time_s for b in sizes}
         facts["memory_plans"] = {b: plan_at(b).plan.options for b in sizes}
-    return TimeModel(points, limit), facts
+        facts["planned_slowdown"] = slowdowns
+        if device.type == "cuda":
+            # A GPU's memory is real: a size whose keep-all step would not fit is timed under its
+            # plan (that measurement already includes the plan's cost). A CPU's budget is declared.
+            run_planned = {b: plan_at(b).plan for b in sizes if not keep_all_fits(plan_at(b))}
+    if declared_speed is not None:  # declared relative speed: no timing needed
+        measured = {b: b / declared_speed for b in sizes}
+    else:
+        measured = time_steps(model, sizes, seq_len, vocab, device, autocast, slowdown, steps, run_planned)
+    facts["measured_s"] = measured
+    points = planned_points(measured, {b: s for b, s in slowdowns.items() if b not in run_planned})
+    step_costs = []
+    if memory_plans is not None:
+        step_costs = planned_step_costs(measured, {b: plan_at(b).keep_all.time_s for b in sizes},
+                                        {b: plan_at(b).offload_s for b in sizes})
+    return TimeModel(points, limit, step_costs), facts
+
+
+def keep_all_fits(dp) -> bool:
+    return dp.budget is None or dp.keep_all.peak_bytes <= dp.budget

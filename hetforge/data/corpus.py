@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from hetforge.core.errors import HetforgeError
 from hetforge.config import DataConfig, SourceConfig
 
 TEXT_SUFFIXES = {".txt", ".text", ".md"}
@@ -25,7 +26,7 @@ JSONL_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 PARQUET_SUFFIXES = {".parquet", ".pq"}
 
 
-class CorpusError(ValueError):
+class CorpusError(HetforgeError, ValueError):
     """The corpus as configured cannot be read at all (e.g. a source path does not exist)."""
 
 

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hetforge.core.errors import HetforgeError
 from hetforge.config import DataConfig
-from hetforge.console import console, make_progress, warn
+from hetforge.core.console import console, make_progress, warn
 from hetforge.data.corpus import read_corpus, source_files
 from hetforge.data.shards import write_split
 from hetforge.data.tokenizer import EOT, load_tokenizer, token_dtype, tokenizer_hash, train_bpe
@@ -28,7 +29,7 @@ FORMAT_VERSION = 1
 ENCODE_CHUNK = 64  # documents per encode_batch call: parallel inside, a progress tick between
 
 
-class PrepareError(ValueError):
+class PrepareError(HetforgeError, ValueError):
     pass
 
 

@@ -16,9 +16,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from hetforge.core.errors import HetforgeError
 
 
-class ShardError(ValueError):
+class ShardError(HetforgeError, ValueError):
     pass
 
 
@@ -114,3 +117,8 @@ class SampleOrder:
     def indices(self, start: int, count: int) -> list[int]:
         return [self[p] for p in range(start, start + count)]
 
+
+def batch_from_numpy(arr: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split packed windows into model inputs and next-token targets on the device."""
+    t = torch.from_numpy(arr)
+    return t[:, :-1].to(device, non_blocking=True), t[:, 1:].to(device, non_blocking=True)

@@ -13,12 +13,14 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from hetforge.core.errors import HetforgeError
+
 EOT = "<|endoftext|>"
 PAD = "<|padding|>"
 SPECIAL_TOKENS = [EOT, PAD]
 
 
-class TokenizerError(ValueError):
+class TokenizerError(HetforgeError, ValueError):
     pass
 
 

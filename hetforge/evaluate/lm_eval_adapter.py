@@ -38,7 +38,7 @@ class HetforgeLM(LM):
     def __init__(self, checkpoint: str | None = None, device: str = "cpu", batch_size: int | str = 32,
                  model=None, tokenizer=None, max_length: int | None = None, **_):
         super().__init__()
-        from hetforge.train.checkpoint import load_for_inference
+        from hetforge.model.load import load_for_inference
 
         if model is None:
             if checkpoint is None:

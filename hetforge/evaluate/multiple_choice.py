@@ -20,11 +20,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hetforge.core.errors import HetforgeError
+
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 BUILTIN = {"sci-mc": TASKS_DIR / "sci_mc.jsonl"}
 
 
-class TaskError(ValueError):
+class TaskError(HetforgeError, ValueError):
     """A task file that cannot be read; names the file and line."""
 
 

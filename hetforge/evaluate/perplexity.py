@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetforge.data.shards import PackedSamples
+from hetforge.data.shards import PackedSamples, batch_from_numpy
 
 
 @dataclass
@@ -69,9 +68,3 @@ def evaluate(
     loss = nll_sum / max(tokens, 1)
     bpb = nll_sum / math.log(2) / nbytes if nbytes > 0 else None
     return EvalResult(loss, math.exp(min(loss, 700.0)), bpb, tokens)
-
-
-def batch_from_numpy(arr: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split packed windows into model inputs and next-token targets on the device."""
-    t = torch.from_numpy(arr)
-    return t[:, :-1].to(device, non_blocking=True), t[:, 1:].to(device, non_blocking=True)

@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from hetforge.core.errors import HetforgeError
 from hetforge.data.tokenizer import EOT, load_tokenizer
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 
-class ExportError(ValueError):
+class ExportError(HetforgeError, ValueError):
     """A checkpoint or directory that cannot be converted, phrased for the user."""
 
 
@@ -65,7 +66,7 @@ def hf_config(cfg: GPTNeoXConfig, eot_id: int, max_positions: int) -> dict:
 
 def export_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """Write `out` as a Hugging Face GPTNeoXForCausalLM directory (config, weights, tokenizer)."""
-    from hetforge.train.checkpoint import load_for_inference
+    from hetforge.model.load import load_for_inference
 
     model, state = load_for_inference(checkpoint, "cpu")
     cfg = model.cfg

@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from hetforge.cluster.capability import run_precision
-from hetforge.cluster.devices import DeviceInfo, sdpa_backend
+from hetforge.core.hardware import run_precision
+from hetforge.core.hardware import DeviceInfo, sdpa_backend
 from hetforge.memory.plan import BlockProfile, ModelProfile
 from hetforge.memory.profile import profile_model
+from hetforge.model.accounting import block_forward_flops, block_matmul_params, head_forward_flops
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PROXY_SEQ = 128
@@ -38,18 +39,36 @@ def card_precision(card: DeviceInfo) -> str:
     return run_precision([card.caps()])[0]
 
 
+def proxy_precision(card: DeviceInfo) -> str:
+    """The dtype the proxies run in: 2-byte types for a 16-bit card, fp32 otherwise."""
+    return "bf16" if card_precision(card) in ("bf16", "fp16") else "fp32"
+
+
+def measure_proxies(cfg: GPTNeoXConfig, precision: str, optimizer: str = "adamw", cache_dir: Path | None = None,
+                    proxy_seq: int = PROXY_SEQ) -> tuple[ModelProfile, ModelProfile]:
+    """The measuring half: the real block profiled at micro-batch 1 and sequences proxy_seq and
+    twice that. Every figure is a constant (16-bit weight copies that autocast keeps, parameter-sized
+    gradient buffers) plus a part that grows with the tokens; two points give both. The proxies'
+    link is a placeholder (each card's own is set later): one pair serves every card. 16-bit
+    matmuls run in fp32 tiles (`Fp32Matmul`): a CPU's own bf16 matmul may be ~300x slower and only
+    the dtypes matter here, as the times are taken from FLOPs."""
+    return tuple(profile_model(cfg, 1, s_, precision, "cpu", PROXY_LINK, optimizer, cache_dir, repeats=1,
+                               fp32_matmul=True) for s_ in (proxy_seq, 2 * proxy_seq))
+
+
 def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: DeviceInfo, optimizer: str = "adamw",
                      cache_dir: Path | None = None, proxy_seq: int = PROXY_SEQ,
                      efficiency: float = EFFICIENCY) -> ModelProfile:
-    precision = card_precision(card)
-    proxy_precision = "bf16" if precision in ("bf16", "fp16") else "fp32"  # 2-byte dtypes either way
-    # Two proxies: every figure is a constant (16-bit weight copies that autocast keeps, parameter-
-    # sized gradient buffers) plus a part that grows with the tokens; two points give both.
-    # The proxies' link is a placeholder (the card's own is set below): one pair of proxies serves every card.
-    # 16-bit matmuls run in fp32 tiles (`Fp32Matmul`): this CPU's own bf16 matmul is ~300x slower
-    # and only the dtypes matter here, as the times are taken from FLOPs below.
-    lo, hi = (profile_model(cfg, 1, s_, proxy_precision, "cpu", PROXY_LINK, optimizer, cache_dir,
-                            repeats=1, fp32_matmul=True) for s_ in (proxy_seq, 2 * proxy_seq))
+    lo, hi = measure_proxies(cfg, proxy_precision(card), optimizer, cache_dir, proxy_seq)
+    return profile_from_proxies(cfg, micro_batch, seq, card, lo, hi, efficiency)
+
+
+def profile_from_proxies(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: DeviceInfo, lo: ModelProfile,
+                         hi: ModelProfile, efficiency: float = EFFICIENCY, precision: str | None = None) -> ModelProfile:
+    """The deciding half, a pure function of the two recorded proxies and the card's datasheet, in
+    the card's own precision or the run's (`precision`: a mixed cluster trains in one)."""
+    precision = precision or card_precision(card)
+    proxy_seq = lo.meta["seq_len"]
     tokens = micro_batch * seq
 
     def at(a: float, b: float) -> float:  # the figure at `tokens`, from its values at proxy_seq and twice that
@@ -62,9 +81,9 @@ def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: Devic
 
     # FLOPs of one block's forward and of the head's, for the tokens of one micro-batch
     rate = card.peak_tflops(precision) * 1e12 * efficiency
-    attn_flops = 4.0 * seq * cfg.d_model * tokens
-    block_fwd = (2.0 * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_ff) * tokens + attn_flops) / rate
-    head_fwd = 2.0 * cfg.vocab_size * cfg.d_model * tokens / rate
+    attn_flops = block_forward_flops(cfg, tokens, seq) - 2.0 * block_matmul_params(cfg) * tokens
+    block_fwd = block_forward_flops(cfg, tokens, seq) / rate
+    head_fwd = head_forward_flops(cfg, tokens) / rate
     pa, pb = lo.blocks[0], hi.blocks[0]
     t_scale = block_fwd / pb.fwd_s
 
@@ -86,7 +105,8 @@ def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: Devic
         link_bytes_per_s=card.link_gbps * 1e9, shared_bytes=float(2 * seq * cfg.rotary_dims * 4), overlap=True,
         meta={"analytic": True, "card": card.name, "precision": precision, "attention": backend,
               "micro_batch": micro_batch, "seq_len": seq, "n_layers": cfg.n_layers, "d_model": cfg.d_model,
-              "efficiency": efficiency, "proxy_seq": proxy_seq},
+              "efficiency": efficiency, "proxy_seq": proxy_seq,
+              "host_step_s_per_param": hi.meta["host_step_s_per_param"]},  # the host is the one measured here
     )
 
 

@@ -13,8 +13,11 @@ from pathlib import Path
 import torch
 
 from hetforge.memory.milp import PlanError, plan_for_strategy
-from hetforge.memory.plan import ModelProfile, Plan, Prediction, format_bytes, parse_size, simulate
-from hetforge.memory.profile import host_optimizer_seconds_per_param, profile_model, static_bytes
+from hetforge.core.precision import resolve_precision
+from hetforge.core.sizes import format_bytes, parse_size
+from hetforge.memory.plan import ModelProfile, Plan, Prediction, simulate
+from hetforge.memory.profile import profile_model
+from hetforge.model.accounting import static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PROFILE_CACHE = Path("data_cache") / "memory_profiles"
@@ -104,7 +107,7 @@ def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_ba
     offload_s = 0.0
     if offload:
         n = prof.static["weights"] / 4.0
-        offload_s = 2 * 4.0 * n / prof.link_bytes_per_s + n * host_optimizer_seconds_per_param()
+        offload_s = 2 * 4.0 * n / prof.link_bytes_per_s + n * prof.meta["host_step_s_per_param"]
     return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof, offload, offload_s)
 
 
@@ -112,8 +115,6 @@ def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_b
                     device_memory: float | None, cache_dir: Path | None, backend: str | None = None) -> DevicePlan:
     """`plan_device` with the budget, precision and optimizer a run config gives for this device,
     and the all-reduce workspace of a distributed run on `backend`."""
-    from hetforge.train.precision import resolve_precision
-
     prof_static = static_bytes(model_cfg, cfg.train.optimizer)
     return plan_device(model_cfg, cfg.memory, cfg.train.seq_len, resolve_precision(cfg.train.precision, device),
                        device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer,

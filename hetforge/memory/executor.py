@@ -28,6 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from hetforge.memory.plan import ALL, BRANCHES, Decision, Plan, resolve_option
 from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes, view_key
+from hetforge.model.gpt_neox import Blocks
 
 
 class _HostCopy:
@@ -166,7 +167,7 @@ class _BlockState:
 
 
 class PlanRunner:
-    """The model's `block_runner` under a plan (see `GPTNeoX.forward`)."""
+    """Runs a chain of blocks under a plan (what `PlannedBlocks` calls)."""
 
     def __init__(self, plan: Plan, params: set[int], parallel_residual: bool = True, random: bool = True):
         self.plan = plan
@@ -339,20 +340,39 @@ def parameter_storages(model: torch.nn.Module) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
+class PlannedBlocks(Blocks):
+    """The model's blocks, run under a plan: the same modules (and parameter names) as the
+    `Blocks` it replaces, so the weights, the optimizer and DDP are untouched by a plan change."""
+
+    def __init__(self, blocks: Blocks, runner: PlanRunner):
+        super().__init__(list(blocks))
+        self.runner = runner
+
+    def forward(self, x, cos, sin):
+        return self.runner(self, x, cos, sin)
+
+
+def runner_of(model: torch.nn.Module) -> PlanRunner | None:
+    layers = getattr(model, "module", model).layers
+    return layers.runner if isinstance(layers, PlannedBlocks) else None
+
+
 def apply_plan(model: torch.nn.Module, plan: Plan | None, measure: bool = True) -> PlanRunner | None:
-    """Install `plan` on a hetforge GPTNeoX (or remove any plan with None). Returns the runner,
-    whose ledger measures the saved-activation bytes of each step while `runner.measure` is on."""
+    """Wrap a hetforge GPTNeoX's blocks in `plan` from outside (or unwrap them with None). Returns
+    the runner, whose ledger measures the saved-activation bytes of each step while
+    `runner.measure` is on."""
     core = getattr(model, "module", model)
-    old = core.block_runner
+    old = runner_of(core)
     for h in getattr(old, "_handles", []):
         h.remove()
     if plan is None:
-        core.block_runner = None
+        if old is not None:
+            core.layers = Blocks(list(core.layers))
         return None
     if len(plan.options) != len(core.layers):
         raise ValueError(f"plan is for {len(plan.options)} blocks, the model has {len(core.layers)}")
     runner = PlanRunner(plan, parameter_storages(core), core.cfg.parallel_residual, random=core.cfg.dropout > 0)
     runner._handles = runner.install_labels(core.layers)
     runner.measure = measure
-    core.block_runner = runner
+    core.layers = PlannedBlocks(core.layers, runner)
     return runner

@@ -16,9 +16,11 @@ import time
 import highspy
 import numpy as np
 
+from hetforge.core.errors import HetforgeError
+from hetforge.core.sizes import format_bytes
 from hetforge.memory.minimum import feasible_plan, minimum_peak
 from hetforge.memory.plan import (ALL, BRANCHES, MENUS, RECOMPUTE_ONLY, BlockProfile, BranchPlan, Decision, ModelProfile, Plan,
-                                  format_bytes, simulate, sqrt_segments)
+                                  simulate, sqrt_segments)
 
 MIB = 2.0**20
 MS = 1e3
@@ -26,7 +28,7 @@ TIE_MS_PER_MIB = 1e-5
 TIE_MS_PER_REGION = 1e-5
 
 
-class PlanError(ValueError):
+class PlanError(HetforgeError, ValueError):
     """The budget cannot be met; the message states why and the smallest feasible budget."""
 
 

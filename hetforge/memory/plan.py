@@ -383,26 +383,3 @@ def sqrt_segments(n: int) -> list[tuple[int, int]]:
         return []
     k = max(1, round(math.sqrt(n)))
     return [(s, min(n, s + k)) for s in range(0, n, k)]
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "b": 1}
-
-
-def parse_size(text: str | float | int) -> float:
-    """'10GiB', '512MiB', '1.5e9', 2e9 -> bytes."""
-    if isinstance(text, (int, float)):
-        return float(text)
-    s = str(text).strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):] or "b"
-    if unit not in _UNITS or not num:
-        raise ValueError(f"cannot read memory size {text!r}: use e.g. 10GiB, 512MiB, 8GB or a byte count")
-    return float(num) * _UNITS[unit]

@@ -34,11 +34,10 @@ from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, 
                                   resolve_option)
 from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
-from hetforge.model.presets import count_parameters
-from hetforge.train.precision import DTYPES, Precision
+from hetforge.model.accounting import static_bytes
+from hetforge.core.precision import DTYPES, Precision
 
-OPTIMIZER_BYTES = {"adamw": 8, "lamb": 8, "sgd": 0}
-PROFILE_VERSION = 6
+PROFILE_VERSION = 8
 
 
 def _sync(device: torch.device) -> None:
@@ -77,16 +76,6 @@ def measure_link(device: torch.device, nbytes: int = 256 * 2**20) -> float:
     return nbytes / max(d2h, h2d)
 
 
-def static_bytes(cfg: GPTNeoXConfig, optimizer: str = "adamw", offload: bool = False) -> dict[str, float]:
-    """Device bytes that do not depend on the activation plan: fp32 master weights and gradients
-    (autocast computes in bf16/fp16 from them), and the optimizer's state unless it is on the host."""
-    n = count_parameters(cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.tie_embeddings)["total"]
-    out = {"weights": 4.0 * n, "gradients": 4.0 * n}
-    if not offload:
-        out["optimizer state"] = float(OPTIMIZER_BYTES[optimizer] * n)
-    return out
-
-
 _HOST_STEP: list[float] = []
 
 
@@ -100,10 +89,19 @@ def host_optimizer_seconds_per_param() -> float:
     return _HOST_STEP[0]
 
 
+def measuring_machine(device: torch.device) -> str:
+    """What changes a measurement besides the work itself: the GPU model; on the CPU its vector ISA,
+    whether 16-bit matmuls go to oneDNN (whose scratch buffers the CPU meter sees) and the threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return f"cpu-{torch.backends.cpu.get_cpu_capability()}-onednn_bf16={bf16}-threads={torch.get_num_threads()}"
+
+
 def _cache_key(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
                link: float | None, optimizer: str, fp32_matmul: bool = False) -> str:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    fields = [PROFILE_VERSION, cfg.to_dict(), micro_batch, seq, precision, name, link, optimizer, torch.__version__]
+    fields = [PROFILE_VERSION, cfg.to_dict(), micro_batch, seq, precision, measuring_machine(device), link, optimizer,
+              torch.__version__]
     if fp32_matmul:  # only then, so that measured profiles keep their keys
         fields.append("fp32-matmul")
     blob = json.dumps(fields, sort_keys=True)
@@ -420,9 +418,10 @@ def profile_model(
         link_bytes_per_s=float(link_bytes_per_s),
         shared_bytes=float(2 * seq * cfg.rotary_dims * 4),  # cos and sin, fp32, made once per forward
         overlap=device.type == "cuda",  # a copy stream beside compute; the CPU copies on its own cores
-        meta={"micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device),
+        meta={"micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device), "machine": measuring_machine(device),
               "n_layers": cfg.n_layers, "d_model": cfg.d_model, "optimizer": optimizer,
-              "link_measured": configured_link is None},
+              "link_measured": configured_link is None,
+              "host_step_s_per_param": host_optimizer_seconds_per_param()},  # the price of optimizer offload
     )
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
-from hetforge.memory.plan import ModelProfile, Plan, Prediction, format_bytes, simulate
+from hetforge.core.sizes import format_bytes
+from hetforge.memory.plan import ModelProfile, Plan, Prediction, simulate
 from hetforge.memory.units import DESCRIPTIONS
 
 

@@ -70,10 +70,6 @@ DESCRIPTIONS = {
 FINAL_LABELS = frozenset({"attn.dense", "mlp.down"})
 
 
-def branch_of(unit: str) -> str:
-    return unit.split(".", 1)[0] if "." in unit else ""
-
-
 def is_view_op(op) -> bool:
     """Ops whose outputs alias an input: free to recompute, never worth caching."""
     schema = getattr(op, "_schema", None)

@@ -1,4 +1,5 @@
-from hetforge.model.gpt_neox import GPTNeoX
-from hetforge.model.presets import PRESETS, count_parameters
+from hetforge.model.accounting import count_parameters
+from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
+from hetforge.model.presets import PRESETS
 
-__all__ = ["GPTNeoX", "PRESETS", "count_parameters"]
+__all__ = ["GPTNeoX", "GPTNeoXConfig", "PRESETS", "count_parameters"]

@@ -158,21 +158,29 @@ def _call(name, fn, *args):
     return fn(*args)
 
 
+class Blocks(nn.ModuleList):
+    """The chain of blocks, run in order. A memory plan replaces it from outside with a subclass
+    that runs the same blocks under the plan (`hetforge.memory.executor.apply_plan`); the blocks
+    and their parameter names stay the same, so state dicts and DDP see one model either way."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        for block in self:
+            x = block(x, cos, sin)
+        return x
+
+
 class GPTNeoX(nn.Module):
     def __init__(self, cfg: GPTNeoXConfig):
         super().__init__()
         self.cfg = cfg
         self.embed_in = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = Blocks(Block(cfg) for _ in range(cfg.n_layers))
         self.final_layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.embed_out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.embed_out.weight = self.embed_in.weight
         self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)
-        # Set by `hetforge.memory.executor.apply_plan`: runs the block loop under a memory plan.
-        # A plain attribute, not a module, so state dicts and DDP see the same model either way.
-        self.block_runner = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -198,12 +206,7 @@ class GPTNeoX(nn.Module):
         what the output projection reads, and what fine-tuned heads pool."""
         cos, sin = self.rotary.cos_sin(idx.shape[1], idx.device)
         x = self.emb_dropout(self.embed_in(idx))
-        if self.block_runner is not None:
-            x = self.block_runner(self.layers, x, cos, sin)
-        else:
-            for block in self.layers:
-                x = block(x, cos, sin)
-        return self.final_layer_norm(x)
+        return self.final_layer_norm(self.layers(x, cos, sin))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> logits (batch, seq, vocab)."""

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hetforge.train.metrics import read_metrics
+from hetforge.core.metrics import read_metrics
 
 
 def rank_power(declared_w: float | None, device_name: str, is_cuda: bool) -> tuple[float | None, str]:
     """This rank's power figure before the run, and where it comes from."""
-    from hetforge.cluster.devices import lookup
+    from hetforge.core.hardware import lookup
 
     if declared_w:
         return float(declared_w), "declared"

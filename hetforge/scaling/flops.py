@@ -1,33 +1,11 @@
-"""FLOPs accounting and the matmul peak that MFU is measured against.
-
-Training FLOPs per token = 6·N + 12·L·d·s (PaLM, appendix B): 6 FLOPs per weight per token for the
-forward and backward matmuls, plus the attention score/value products that no weight accounts for.
-N here is the non-embedding parameter count *plus the output projection* (V·d): the input
-embedding is a table lookup and costs nothing, but the logits are a real V×d matmul on every token,
-and for the small models this project trains on CPUs it is a third of all the work. MFU excludes
-recomputation (model FLOPs); HFU includes it (hardware FLOPs).
-"""
+"""The matmul peak that MFU is measured against (the FLOPs themselves are counted in
+`hetforge.model.accounting`)."""
 
 from __future__ import annotations
 
 import time
 
 import torch
-
-
-def matmul_params(n_layers: int, d_model: int, d_ff: int, vocab_size: int) -> int:
-    """Weights that take part in a matmul for every token (biases and norms are negligible)."""
-    return n_layers * (4 * d_model * d_model + 2 * d_model * d_ff) + vocab_size * d_model
-
-
-def flops_per_token(n_layers: int, d_model: int, d_ff: int, vocab_size: int, seq_len: int) -> float:
-    """Model FLOPs for one trained token (forward + backward), attention included."""
-    return 6.0 * matmul_params(n_layers, d_model, d_ff, vocab_size) + 12.0 * n_layers * d_model * seq_len
-
-
-def block_forward_flops_per_token(n_layers: int, d_model: int, d_ff: int, seq_len: int) -> float:
-    """The transformer blocks' share of one token's forward: what recomputation repeats."""
-    return 2.0 * n_layers * (4 * d_model * d_model + 2 * d_model * d_ff) + 4.0 * n_layers * d_model * seq_len
 
 
 def measure_matmul_peak(

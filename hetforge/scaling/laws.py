@@ -20,8 +20,12 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hetforge.core.errors import HetforgeError
+from hetforge.model.accounting import matmul_params
+from hetforge.model.gpt_neox import GPTNeoXConfig
 
-class ScalingError(ValueError):
+
+class ScalingError(HetforgeError, ValueError):
     """A sizing or fitting request that cannot be met (bad budget, unreadable constants, too few
     runs), phrased for the user."""
 
@@ -75,23 +79,7 @@ class LossLaw:
 EPOCH = LossLaw(E=1.8172, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658, source="Epoch AI refit of Chinchilla")
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A GPT-NeoX shape for a parameter target."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_ff: int
-
-    def params(self, vocab: int) -> int:
-        """Non-embedding weights plus the output projection (the N of `flops_per_token`)."""
-        from hetforge.scaling.flops import matmul_params
-
-        return matmul_params(self.n_layers, self.d_model, self.d_ff, vocab)
-
-
-def shape_for(params: float, vocab: int) -> Shape:
+def shape_for(params: float, vocab: int) -> GPTNeoXConfig:
     """The GPT-NeoX shape nearest `params`: width a multiple of 64 (128 from 1024 up), heads of 64
     (128 from width 4096), d_ff = 4 d, and depth such that width / depth stays near 80, the ratio
     of the GPT-3 / NeoX family (48 to 128 from 350M up)."""
@@ -102,8 +90,9 @@ def shape_for(params: float, vocab: int) -> Shape:
         per_layer = 12 * d * d
         layers = max(1, round((params - vocab * d) / per_layer))
         for n in {max(1, layers - 1), layers, layers + 1}:
-            shape = Shape(n, d, d // (128 if d >= 4096 else 64), 4 * d)
-            err = abs(math.log(shape.params(vocab) / params)) + 0.15 * abs(math.log((d / n) / 80.0))
+            shape = GPTNeoXConfig(n_layers=n, d_model=d, n_heads=d // (128 if d >= 4096 else 64), d_ff=4 * d,
+                                  vocab_size=vocab)
+            err = abs(math.log(matmul_params(shape) / params)) + 0.15 * abs(math.log((d / n) / 80.0))
             if best is None or err < best[0]:
                 best = (err, shape)
     return best[1]

@@ -3,12 +3,13 @@ shape to build, its FLOPs, and what it costs in wall time and energy on a descri
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from hetforge.cluster.devices import DeviceInfo, choose_precision, lookup
+from hetforge.core.hardware import DeviceInfo, choose_precision, lookup
 from hetforge.model.presets import PRESETS
-from hetforge.scaling.flops import flops_per_token
-from hetforge.scaling.laws import LossLaw, ScalingError, Shape, shape_for
+from hetforge.model.accounting import flops_per_token, matmul_params
+from hetforge.model.gpt_neox import GPTNeoXConfig
+from hetforge.scaling.laws import LossLaw, ScalingError, shape_for
 
 NEIGHBOURS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
@@ -63,7 +64,7 @@ class Option:
 
     params: float  # the law's N for this shape
     tokens: float
-    shape: Shape
+    shape: GPTNeoXConfig
     loss: float
     flops: float  # D x (6N + attention), the run's real training FLOPs
     preset: str | None = None
@@ -75,8 +76,8 @@ class Option:
 
 def _option(law: LossLaw, n_target: float, tokens: float, vocab: int, seq: int) -> Option:
     shape = shape_for(n_target, vocab)
-    n = shape.params(vocab)
-    fpt = flops_per_token(shape.n_layers, shape.d_model, shape.d_ff, vocab, seq)
+    n = matmul_params(shape)
+    fpt = flops_per_token(shape, seq)
     return Option(n, tokens, shape, law.loss(n, tokens), tokens * fpt)
 
 
@@ -104,7 +105,7 @@ def recommend(law: LossLaw, vocab: int, seq: int, compute: float | None = None,
 
 
 def nearest_preset(params: float, vocab: int) -> str:
-    def n_of(p: dict) -> int:
-        return Shape(p["n_layers"], p["d_model"], p["n_heads"], p.get("d_ff") or 4 * p["d_model"]).params(vocab)
+    def n_of(p: GPTNeoXConfig) -> int:
+        return matmul_params(replace(p, vocab_size=vocab))
 
     return min(PRESETS, key=lambda k: abs(n_of(PRESETS[k]) / params - 1.0))

@@ -36,7 +36,7 @@ def parse_size(text: str) -> tuple[int, int, int]:
     s = text.strip()
     if s in PRESETS:
         p = PRESETS[s]
-        return p["n_layers"], p["d_model"], p["n_heads"]
+        return p.n_layers, p.d_model, p.n_heads
     m = re.fullmatch(r"(\d+)x(\d+)", s)
     if not m:
         raise ScalingError(f"cannot read the model size {text!r}: use LAYERSxWIDTH (e.g. 4x128) or a preset "

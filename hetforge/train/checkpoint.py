@@ -1,227 +1,98 @@
-"""Atomic, verifiable checkpoints.
+"""What a training checkpoint holds, and putting it back.
 
-Layout: `RUN/checkpoints/step_00000100/` holding `model.safetensors` (weights), `optimizer.pt`
-(optimizer + loss-scaler state), `rng.pt`, `state.json` (step, consumed samples, config) and last
-`manifest.json` (size and SHA-256 of every file). A checkpoint is written under a temporary name,
-fsynced, then renamed: a crash or a full disk mid-write leaves the previous checkpoint untouched, and
-the half-written one is removed. On load, checkpoints are tried newest first and any whose files do
-not match the manifest is skipped with a warning.
+A checkpoint is self-contained: the weights (`model.safetensors`), one file per stateful component
+of the run (`optimizer.pt`, `scaler.pt`, ...: whatever the loop registers, each through its
+`state_dict` / `load_state_dict`), the RNG state of every rank (`rng.pt`), the tokenizer it was
+trained with (`tokenizer.json`) and `state.json` (step, global sample position, model shape, data
+fingerprint). `eval`, `generate` and `export` need nothing but the directory, from any working
+directory. Writing, checking and finding checkpoints (manifest, checksums, atomic publish, fallback
+to the previous valid one) is `hetforge.core.checkpoint_io`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_model
 from torch import nn
 
 from hetforge import __version__
-from hetforge.console import warn
+from hetforge.core.checkpoint_io import (  # noqa: F401  (the checkpoint API, in one import)
+    CheckpointError,
+    latest_valid,
+    list_checkpoints,
+    publish,
+    read_state,
+    remove_stale_temps,
+    resolve,
+    set_rng_state,
+    verify,
+    write_manifest,
+)
+from hetforge.model.load import TOKENIZER, WEIGHTS, load_for_inference, load_weights  # noqa: F401
 
-_NAME = re.compile(r"^step_(\d{8})$")
-MANIFEST = "manifest.json"
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-@dataclass
-class Checkpoint:
-    path: Path
-    step: int
-    state: dict[str, Any]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+RNG = "rng.pt"
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
 
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
 def save_checkpoint(
     root: str | Path,
     step: int,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
+    components: dict[str, Stateful],
     state: dict[str, Any],
     keep: int = 2,
+    rng: list[dict[str, Any]] | None = None,
+    tokenizer: Path | None = None,
 ) -> Path:
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".step_{step:08d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler else None},
-            tmp / "optimizer.pt",
-        )
-        torch.save(rng_state(), tmp / "rng.pt")
+    """Write `ROOT/step_NNNNNNNN` atomically: weights, each component, the ranks' RNG states (in
+    rank order), the tokenizer and the state."""
+
+    def write(tmp: Path) -> None:
+        save_model(model, str(tmp / WEIGHTS))
+        for name, comp in components.items():
+            torch.save(comp.state_dict(), tmp / f"{name}.pt")
+        if rng is not None:
+            torch.save({"ranks": rng}, tmp / RNG)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=1))
-        _write_manifest(tmp, step)
-        if final.exists():  # re-saving the same step (e.g. after resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)
-    except (OSError, RuntimeError) as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {err}") from err
-    _prune(root, keep)
-    return final
+
+    return publish(root, step, write, keep, {"hetforge_version": __version__})
 
 
-def _write_manifest(path: Path, step: int) -> None:
-    files = {}
-    for f in sorted(path.iterdir()):
-        if f.name == MANIFEST:
-            continue
-        _fsync(f)
-        files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-    manifest = {"step": step, "hetforge_version": __version__, "files": files}
-    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
-    _fsync(path / MANIFEST)
-
-
-def write_weights_checkpoint(path: str | Path, model: nn.Module, state: dict[str, Any]) -> Path:
-    """Weights and state only (no optimizer, no RNG), with a manifest: an imported model, to
-    evaluate, sample from, or start a run from (`model.init_from`)."""
+def write_weights_checkpoint(path: str | Path, model: nn.Module, state: dict[str, Any],
+                             tokenizer: Path | None = None) -> Path:
+    """Weights, tokenizer and state only (no optimizer, no RNG), with a manifest: an imported
+    model, to evaluate, sample from, or start a run from (`model.init_from`)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(path / "model.safetensors"))
+    save_model(model, str(path / WEIGHTS))
+    if tokenizer is not None and Path(tokenizer).resolve() != (path / TOKENIZER).resolve():
+        shutil.copyfile(tokenizer, path / TOKENIZER)
     (path / "state.json").write_text(json.dumps(state, indent=1))
-    _write_manifest(path, int(state.get("step", 0)))
+    write_manifest(path, int(state.get("step", 0)), {"hetforge_version": __version__})
     return path
 
 
-def _prune(root: Path, keep: int) -> None:
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Finished checkpoints, oldest first (temporary directories are never listed)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
-
-
-def verify(path: Path) -> str | None:
-    """None if every file matches the manifest, else what is wrong."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
-        return "manifest missing or unreadable"
-    for name, info in manifest["files"].items():
-        f = path / name
+def load_components(path: Path, components: dict[str, Stateful], rank: int = 0, restore_rng: bool = True) -> None:
+    """Each registered component from its file, and this rank's RNG state (rank 0's when the
+    checkpoint was written by fewer ranks). A component the checkpoint lacks is an error: resuming
+    without it would not continue the same run."""
+    for name, comp in components.items():
+        f = Path(path) / f"{name}.pt"
         if not f.is_file():
-            return f"{name} missing"
-        if f.stat().st_size != info["bytes"]:
-            return f"{name} has {f.stat().st_size} bytes, manifest says {info['bytes']}"
-        if _sha256(f) != info["sha256"]:
-            return f"{name} checksum mismatch"
-    return None
-
-
-def latest_valid(root: str | Path) -> Path | None:
-    for path in reversed(list_checkpoints(root)):
-        problem = verify(path)
-        if problem is None:
-            return path
-        warn(f"checkpoint {path} is corrupt ({problem}); falling back to the previous one")
-    return None
-
-
-def resolve(path_or_root: str | Path) -> Path:
-    """Accept a checkpoint directory, a checkpoints/ directory or a run directory."""
-    p = Path(path_or_root)
-    if (p / MANIFEST).is_file():
-        problem = verify(p)
-        if problem:
-            raise CheckpointError(f"checkpoint {p} is corrupt: {problem}")
-        return p
-    for root in (p, p / "checkpoints"):
-        found = latest_valid(root) if root.is_dir() else None
-        if found is not None:
-            return found
-    raise CheckpointError(f"no valid checkpoint found at {p}")
-
-
-def load_weights(path: Path, model: nn.Module) -> None:
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
-    if missing or unexpected:  # strict=True raises first; kept for clarity of intent
-        raise CheckpointError(f"{path}: weights do not match the model ({missing=}, {unexpected=})")
-
-
-def load_checkpoint(
-    path: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    restore_rng: bool = True,
-) -> Checkpoint:
-    load_weights(path, model)
-    if optimizer is not None:
-        load_training_state(path, optimizer, scaler, restore_rng)
-    elif restore_rng:
-        set_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
-    state = json.loads((path / "state.json").read_text())
-    return Checkpoint(path, int(state["step"]), state)
-
-
-def load_training_state(path: Path, optimizer, scaler: torch.amp.GradScaler | None = None,
-                        restore_rng: bool = True) -> None:
-    """Optimizer, loss scaler and RNG of a checkpoint, for an optimizer made after the weights were
-    loaded (it may keep its state on the host: `HostOffloadOptimizer`)."""
-    opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(opt["optimizer"])
-    if scaler is not None and opt["scaler"]:
-        scaler.load_state_dict(opt["scaler"])
-    if restore_rng:
-        set_rng_state(torch.load(path / "rng.pt", map_location="cpu", weights_only=True))
-
-
-def load_for_inference(path_or_run: str | Path, device: torch.device | str = "cpu"):
-    """(model in eval mode, checkpoint state) from a checkpoint, checkpoints/ or run directory."""
-    from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
-
-    path = resolve(path_or_run)
-    state = json.loads((path / "state.json").read_text())
-    model = GPTNeoX(GPTNeoXConfig(**state["model_config"]))
-    load_weights(path, model)
-    return model.to(device).eval(), {**state, "path": str(path)}
+            raise CheckpointError(f"{path} has no {name} state ({f.name}); it was written by another kind of run")
+        comp.load_state_dict(torch.load(f, map_location="cpu", weights_only=True))
+    if restore_rng and (Path(path) / RNG).is_file():
+        ranks = torch.load(Path(path) / RNG, map_location="cpu", weights_only=True)["ranks"]
+        set_rng_state(ranks[rank] if rank < len(ranks) else ranks[0])

@@ -1,13 +1,17 @@
 """The training loop: read this file top to bottom to know what one run does.
 
-    join the process group (torchrun / srun; nothing when run as one process) -> one precision for
-    all ranks -> prepare data (rank 0; cached) -> build model -> resume its weights from the newest
-    valid checkpoint -> split the global batch over the ranks by measured speed and memory -> plan
-    each rank's activation memory -> optimizer (on the host where the device is too small for it),
-    with its checkpointed state
-    -> for each step: each rank runs its micro-batches (gradient sync only on the last), clip, step
-    -> global metrics / validate / checkpoint (rank 0) / re-balance if step times drift
-    -> final validation, loss-curve PNG, summary.
+`Trainer.train()` runs five phases over one `TrainState` (step, global sample position, ...):
+
+    setup    join the process group (torchrun / srun; nothing as one process) -> one precision for
+             all ranks -> prepare data (rank 0; cached) -> build the model -> its weights from the
+             newest valid checkpoint
+    plan     split the global batch over the ranks by measured speed and memory -> plan each rank's
+             activation memory -> optimizer (on the host where the device is too small for it) ->
+             parallelize (DDP) -> the checkpointed optimizer, scaler and RNG state
+    step     each rank runs its micro-batches (gradient sync only on the last), clip, step
+    observe  global loss (reduced on the device, read once per log interval), metrics,
+             re-balancing when step times drift
+    persist  validation and atomic checkpoints
 
 Exact update on unequal ranks: every micro-batch's loss is its *sum* of token losses divided by the
 number of tokens in the whole global batch, so after the all-reduce the gradient is that of the mean
@@ -16,14 +20,16 @@ ranks, so each rank multiplies by the world size). A rank with no samples in a s
 micro-batch with weight zero, so it still takes part in every collective (HetSeq's dummy batch).
 
 Exact resume: the sample order is a function of the global sample position, the learning rate a
-function of the step, and optimizer, loss-scaler and RNG state are checkpointed, so an interrupted
-and resumed run produces bitwise the same losses as an uninterrupted one (fp32, CPU). Checkpoints
-store the global position only, so a run can resume on a different number or mix of ranks.
+function of the step, and optimizer, loss-scaler and every rank's RNG state are checkpointed, so an
+interrupted and resumed run produces bitwise the same losses as an uninterrupted one (fp32, CPU).
+Checkpoints store the global position only, so a run can resume on a different number or mix of
+ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import resource
 import signal
@@ -34,12 +40,14 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from rich.markup import escape
 from rich.progress import TextColumn
-from torch.nn.parallel import DistributedDataParallel
+from rich.table import Table
 
 from hetforge.cluster.assign import PLAN_FILE, DriftMonitor, plan_for_run
-from hetforge.cluster.capability import detect, run_precision
+from hetforge.cluster.balance import BalancePlan
 from hetforge.cluster.dist import (
     DistContext,
     all_gather_object,
@@ -49,28 +57,39 @@ from hetforge.cluster.dist import (
     init_distributed,
     shutdown,
 )
-from hetforge.cluster.spec import Slowdown, device_name, rank_device
+from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
 from hetforge.config import ConfigError, RunConfig, dump_config
-from hetforge.console import console, make_progress, warn
-from hetforge.data.prepare import prepare
-from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard
+from hetforge.core.checkpoint_io import rng_state
+from hetforge.core.console import console, make_progress, warn
+from hetforge.core.hardware import detect, run_precision
+from hetforge.core.metrics import MetricsLogger
+from hetforge.core.precision import Precision, resolve_device
+from hetforge.core.sizes import format_bytes
+from hetforge.data.prepare import PrepareResult, prepare
+from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard, batch_from_numpy
 from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
-from hetforge.evaluate.perplexity import EvalResult, batch_from_numpy, evaluate
+from hetforge.evaluate.perplexity import EvalResult, evaluate
+from hetforge.memory.device_plan import plan_for_config
+from hetforge.memory.executor import apply_plan
+from hetforge.memory.verify import PlanCheck
+from hetforge.model.accounting import block_forward_flops, flops_per_token, matmul_params
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
+from hetforge.model.load import TOKENIZER
 from hetforge.scaling.accounting import PowerMeter, rank_power, write_report
-from hetforge.scaling.flops import block_forward_flops_per_token, flops_per_token, matmul_params, measure_matmul_peak
+from hetforge.scaling.flops import measure_matmul_peak
 from hetforge.train.checkpoint import (
     CheckpointError,
     latest_valid,
-    load_checkpoint,
-    load_training_state,
+    load_components,
     load_weights,
+    read_state,
+    remove_stale_temps,
     save_checkpoint,
 )
 from hetforge.train.checkpoint import resolve as ckpt_resolve
-from hetforge.train.metrics import MetricsLogger, plot_loss_curve
+from hetforge.train.metrics import plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
-from hetforge.train.precision import Precision, resolve_device
+from hetforge.train.parallel import BucketClock, is_data_parallel, parallelize
 
 
 @dataclass
@@ -86,6 +105,21 @@ class TrainResult:
     checkpoint: Path | None
     interrupted: bool = False
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainState:
+    """What changes as the run goes: everything a checkpoint's position needs, and the log's."""
+
+    step: int = 0
+    consumed: int = 0  # global sample position
+    steps_this_call: int = 0
+    last_checkpoint: Path | None = None
+    losses: dict[int, float] = field(default_factory=dict)
+    # (step, loss tensor still on the device or in flight, its reduction's handle, grad-norm tensor)
+    pending: list[tuple[int, torch.Tensor, object, torch.Tensor]] = field(default_factory=list)
+    rank_times: list[float] = field(default_factory=list)
+    rate: dict[str, float] = field(default_factory=lambda: {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": 0.0})
 
 
 class StopSignals:
@@ -133,17 +167,17 @@ def backward_share(
     scaler: torch.amp.GradScaler,
     device: torch.device,
     after_forward=None,
-    clock: "BucketClock | None" = None,
+    clock: BucketClock | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Forward/backward of this rank's micro-batches (given as (global position, count)) with the
-    gradient sync only on the last one. Returns this rank's part of the step loss and its compute
-    seconds, waiting for other ranks excluded (the balancer needs this rank's own speed). With no
-    micro-batches it runs one dummy micro-batch of weight 0, so that the rank still joins the
-    step's all-reduce."""
-    distributed = isinstance(net, DistributedDataParallel)
+    gradient sync only on the last one. Returns this rank's part of the step loss (float64, on the
+    device) and its compute seconds, waiting for other ranks excluded (the balancer needs this
+    rank's own speed). With no micro-batches it runs one dummy micro-batch of weight 0, so that the
+    rank still joins the step's all-reduce."""
+    distributed = is_data_parallel(net)
     work = micro_batches or [(consumed, 1)]
     weight = world_size if micro_batches else 0.0  # DDP averages over ranks: undo it
-    step_loss = torch.zeros((), device=device)
+    step_loss = torch.zeros((), device=device, dtype=torch.float64)
     compute_s = 0.0
     for j, (start, count) in enumerate(work):
         synced = j == len(work) - 1 and distributed
@@ -172,21 +206,6 @@ def backward_share(
     return step_loss, compute_s
 
 
-class BucketClock:
-    """A DDP communication hook that notes when each gradient bucket is ready, then all-reduces it
-    as DDP would: the last note is the end of this rank's backward compute, before any waiting for
-    slower ranks, while keeping DDP's overlap of communication with the backward pass."""
-
-    def __init__(self):
-        self.last: float | None = None
-
-    def hook(self, state, bucket):
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        self.last = time.perf_counter()
-        return allreduce_hook(state, bucket)
-
-
 def train(
     cfg: RunConfig,
     resume: Literal["auto", "always", "never"] = "auto",
@@ -199,205 +218,341 @@ def train(
     if ctx.distributed and device.type == "cuda":
         device = torch.device("cuda", ctx.local_rank)
     try:
-        return _train(cfg, ctx, device, resume, stop_after, plan_only)
+        trainer = Trainer(cfg, ctx, device)
+        trainer.setup(resume)
+        if plan_only:
+            plan = trainer.balance()
+            return TrainResult(trainer.run_dir, trainer.state.step, {}, None, 0.0, 0.0, 0.0, 0.0,
+                               trainer.state.last_checkpoint,
+                               extra={"plan": plan.to_dict(), "rank": ctx.rank, "world_size": ctx.world_size})
+        trainer.plan()
+        return trainer.train(stop_after)
     finally:
         if ctx.distributed:
             shutdown()
 
 
 def _sha256_file(path: Path) -> str:
-    import hashlib
-
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
 
 
-def _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say):
-    """Plan this rank's activations for the micro-batch it was given (and install the plan); the
-    main rank prints every rank's plan side by side and saves them to RUN/memory/plans.json."""
-    if not cfg.memory.active:
-        return None
-    import json
+class Trainer:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device):
+        self.cfg, self.ctx, self.device = cfg, ctx, device
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.state = TrainState()
+        self.say = console.print if ctx.is_main else (lambda *a, **k: None)
 
-    from rich.markup import escape
-    from rich.table import Table
-
-    from hetforge.cluster.spec import device_memory_bytes
-    from hetforge.memory.device_plan import plan_for_config
-    from hetforge.memory.executor import apply_plan
-    from hetforge.memory.plan import format_bytes
-    from hetforge.memory.verify import PlanCheck
-
-    micro = plan.shares[ctx.rank].micro_batch_size or 1
-    dp = plan_for_config(cfg, model_cfg, device, micro, device_memory_bytes(rank_device(cfg.cluster, ctx), device),
-                         run_dir / "memory", ctx.backend if ctx.distributed else None)
-    runner = apply_plan(model, dp.plan, measure=False)  # the check measures one step
-    p = dp.prediction
-    mine = {"rank": ctx.rank, "device": plan.shares[ctx.rank].device, "micro_batch": micro, "budget": dp.budget,
-            "strategy": dp.plan.strategy, "plan": dp.summary(), "options": dp.plan.options,
-            "predicted_peak_bytes": p.peak_bytes, "predicted_held_bytes": p.held_bytes,
-            "predicted_step_s": p.time_s, "keep_all_step_s": dp.keep_all.time_s,
-            "optimizer_offload": dp.optimizer_offload, "offload_s_per_step": dp.offload_s}
-    rows = all_gather_object(ctx, mine)
-    if ctx.is_main:
-        t = Table(title="memory plan per rank (predicted for one micro-batch)")
-        for col in ("rank", "device", "budget", "micro-batch", "plan", "peak", "held", "step ms", "vs keep-all"):
-            t.add_column(col, justify="left" if col in ("device", "plan") else "right")
-        for r in rows:
-            t.add_row(str(r["rank"]), r["device"], format_bytes(r["budget"]) if r["budget"] else "none",
-                      str(r["micro_batch"]), escape(r["plan"]), format_bytes(r["predicted_peak_bytes"]),
-                      format_bytes(r["predicted_held_bytes"]), f"{r['predicted_step_s'] * 1e3:.1f}",
-                      f"{r['predicted_step_s'] / r['keep_all_step_s']:.3f}x")
-        say(t)
-        (run_dir / "memory").mkdir(parents=True, exist_ok=True)
-        (run_dir / "memory" / "plans.json").write_text(json.dumps(rows, indent=1))
-    return PlanCheck(dp, runner, device, cfg.memory.verify_tolerance)
-
-
-def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, stop_after: int | None,
-           plan_only: bool) -> TrainResult:
-    tc = cfg.train
-    say = console.print if ctx.is_main else (lambda *a, **k: None)
-    run_dir = Path(cfg.run_dir)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
-    # One precision for the whole run, set by its weakest device, stated once.
-    caps = all_gather_object(ctx, detect(device))
-    chosen, why = run_precision(caps) if tc.precision == "auto" else (tc.precision, "as configured")
-    precision = Precision(chosen, device)
-    say(f"precision {chosen}: {why}")
-    if tc.precision == "auto":  # what plans, probes and checkpoints below read is the decision
-        cfg = cfg.model_copy(deep=True)
-        cfg.train.precision = chosen
+    # ------------------------------------------------------------------ setup
+    def setup(self, resume: str) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        if ctx.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        # One precision for the whole run, set by its weakest device, stated once.
+        caps = all_gather_object(ctx, detect(self.device))
+        chosen, why = run_precision(caps) if cfg.train.precision == "auto" else (cfg.train.precision, "as configured")
+        self.precision = Precision(chosen, self.device)
+        self.say(f"precision {chosen}: {why}")
+        if cfg.train.precision == "auto":  # what plans, probes and checkpoints below read is the decision
+            self.cfg = cfg = cfg.model_copy(deep=True)
+            cfg.train.precision = chosen
         tc = cfg.train
-    if tc.num_threads:
-        torch.set_num_threads(tc.num_threads)
-    torch.manual_seed(tc.seed)
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        torch.manual_seed(tc.seed)
 
-    # ---- continued pre-training: the starting weights fix the model's shape and tokenizer
-    init = None
-    if cfg.model.init_from:
-        init = ckpt_resolve(cfg.model.init_from)
-        init_state = json.loads((init / "state.json").read_text())
+        # continued pre-training: the starting weights fix the model's shape and tokenizer
+        init = init_state = None
+        if cfg.model.init_from:
+            init = ckpt_resolve(cfg.model.init_from)
+            init_state = read_state(init)
 
-    # ---- data: rank 0 prepares (a no-op when cached), the others then open the same shards
-    if ctx.is_main:
-        data = prepare(cfg.data, progress=tc.progress)
-    barrier(ctx)
-    if not ctx.is_main:
-        data = prepare(cfg.data, progress=False, verbose=False)
-    train_samples = PackedSamples(TokenShard(data.out_dir, "train"), tc.seq_len, "train")
-    val_samples = PackedSamples(TokenShard(data.out_dir, "val"), tc.seq_len, "val")
-    order = SampleOrder(len(train_samples), tc.seed)
-    tokenizer_path = data.out_dir / "tokenizer.json"
-    byte_lengths = token_byte_lengths(load_tokenizer(tokenizer_path))
+        # data: rank 0 prepares (a no-op when cached), the others then open the same shards
+        if ctx.is_main:
+            data = prepare(cfg.data, progress=tc.progress)
+        barrier(ctx)
+        if not ctx.is_main:
+            data = prepare(cfg.data, progress=False, verbose=False)
+        self.data: PrepareResult = data
+        self.train_samples = PackedSamples(TokenShard(data.out_dir, "train"), tc.seq_len, "train")
+        self.val_samples = PackedSamples(TokenShard(data.out_dir, "val"), tc.seq_len, "val")
+        self.order = SampleOrder(len(self.train_samples), tc.seed)
+        self.tokenizer_path = data.out_dir / "tokenizer.json"
+        self.byte_lengths = token_byte_lengths(load_tokenizer(self.tokenizer_path))
 
-    # ---- model and optimizer
-    vocab = data.meta["vocab_size"]
-    if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
-        raise ValueError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}")
-    model_cfg = GPTNeoXConfig.from_model_config(cfg.model, vocab)
-    if init is not None:
-        model_cfg = GPTNeoXConfig(**init_state["model_config"])
-        if _sha256_file(Path(init_state["tokenizer"])) != _sha256_file(tokenizer_path):
-            raise ConfigError(f"model.init_from {init} was trained with another tokenizer than the data in "
-                              f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
-                              f"{init_state['tokenizer']}, and a new data.out_dir)")
-    model = GPTNeoX(model_cfg).to(device)
-    scaler = precision.grad_scaler()
+        # the model
+        vocab = data.meta["vocab_size"]
+        if cfg.model.vocab_size is not None and cfg.model.vocab_size < vocab:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab}")
+        self.vocab = vocab
+        self.model_cfg = GPTNeoXConfig.from_model_config(cfg.model, vocab)
+        if init is not None:
+            self.model_cfg = GPTNeoXConfig(**init_state["model_config"])
+            if _sha256_file(init / TOKENIZER) != _sha256_file(self.tokenizer_path):
+                raise ConfigError(f"model.init_from {init} was trained with another tokenizer than the data in "
+                                  f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
+                                  f"{init / TOKENIZER}, and a new data.out_dir)")
+        self.model = GPTNeoX(self.model_cfg).to(self.device)
+        self.scaler = self.precision.grad_scaler()
 
-    # ---- resume (every rank reads the same checkpoint; it holds the global sample position). The
-    # weights and position now; optimizer, scaler and RNG once the optimizer exists, as the memory
-    # plan may put it on the host.
-    step, consumed, last_ckpt = 0, 0, None
-    ckpt_root = run_dir / "checkpoints"
-    if resume != "never":
-        found = latest_valid(ckpt_root) if ctx.is_main else None
-        found = broadcast_object(ctx, found)
-        if found is None and resume == "always":
-            raise CheckpointError(f"--resume given but {ckpt_root} holds no valid checkpoint")
-        if found is not None:
-            ck = load_checkpoint(found, model, restore_rng=False)
-            if ck.state["model_config"] != model_cfg.to_dict():
-                raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
-            step, consumed, last_ckpt = ck.step, ck.state["consumed_samples"], found
-            say(f"resumed from {found} (step {step}, {consumed} samples consumed)")
-    if init is not None and last_ckpt is None:
-        load_weights(init, model)
-        say(f"starting from the weights of {init}")
+        # resume (every rank reads the same checkpoint; it holds the global sample position). The
+        # weights and position now; optimizer, scaler and RNG once the optimizer exists (`plan`),
+        # as the memory plan may put it on the host.
+        if ctx.is_main:
+            for stale in remove_stale_temps(self.ckpt_root):
+                warn(f"removed {stale}, a checkpoint whose writer died mid-write")
+        if resume != "never":
+            found = latest_valid(self.ckpt_root, warn) if ctx.is_main else None
+            found = broadcast_object(ctx, found)
+            if found is None and resume == "always":
+                raise CheckpointError(f"--resume given but {self.ckpt_root} holds no valid checkpoint")
+            if found is not None:
+                ck = read_state(found)
+                if ck["model_config"] != self.model_cfg.to_dict():
+                    raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
+                load_weights(found, self.model)
+                self.state.step, self.state.consumed = int(ck["step"]), ck["consumed_samples"]
+                self.state.last_checkpoint = found
+                self.say(f"resumed from {found} (step {self.state.step}, {self.state.consumed} samples consumed)")
+        if init is not None and self.state.last_checkpoint is None:
+            load_weights(init, self.model)
+            self.say(f"starting from the weights of {init}")
 
-    # ---- the share of the global batch each rank computes
-    plan = plan_for_run(cfg, ctx, model, device, precision.autocast, vocab, run_dir, console if ctx.is_main else None)
-    if plan_only:
-        return TrainResult(run_dir, step, {}, None, 0.0, 0.0, 0.0, 0.0, last_ckpt,
-                           extra={"plan": plan.to_dict(), "rank": ctx.rank, "world_size": ctx.world_size})
-    # Drift needs each rank's own compute time; on CPU the DDP hook gives it (BucketClock), on a GPU
-    # host timestamps run ahead of the kernels, so re-balancing stays off there until CUDA-event
-    # timing lands.
-    watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto"
-    if watch and device.type == "cuda":
-        say("re-balancing on drift is CPU-only for now; the initial balance holds for this run")
-        watch = False
-    monitor = DriftMonitor(plan, cfg.cluster.rebalance_threshold, cfg.cluster.rebalance_window) if watch else None
-    slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # None (no slowdown) when the cluster is not described
-    check = _apply_memory_plan(cfg, ctx, model, model_cfg, device, plan, run_dir, say)
-    offload = check is not None and check.dp.optimizer_offload
-    optimizer = build_optimizer(model, tc, device, offload=offload)
-    if offload:
-        say(f"rank {ctx.rank}: optimizer state in host memory (it does not fit beside the weights and gradients)")
-    if last_ckpt is not None:
-        load_training_state(last_ckpt, optimizer, scaler)
-    net, clock = model, None
-    if ctx.distributed:
-        # gradients as views of DDP's buckets: one copy of them, not two
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True)
-        if device.type == "cpu":  # on a GPU the host-side note would run ahead of the kernels
-            clock = BucketClock()
-            net.register_comm_hook(None, clock.hook)
+    # ------------------------------------------------------------------- plan
+    def balance(self) -> BalancePlan:
+        """The share of the global batch each rank computes."""
+        return plan_for_run(self.cfg, self.ctx, self.model, self.device, self.precision.autocast, self.vocab,
+                            self.run_dir, console if self.ctx.is_main else None)
 
-    # ---- accounting
-    n_params = model.num_parameters()
-    fpt = flops_per_token(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size, tc.seq_len)
-    # Hardware FLOPs add the recomputation of this rank's memory plan: the share of the blocks'
-    # forward it repeats (by the planner's profiled times) times the blocks' forward FLOPs.
-    hw_fpt = fpt
-    if check is not None:
-        pred = check.dp.prediction
-        blocks_fwd = sum(b.fwd_s for b in check.dp.profile.blocks)
-        if blocks_fwd > 0:
-            hw_fpt += pred.breakdown_time["recompute"] / blocks_fwd * block_forward_flops_per_token(
-                model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, tc.seq_len)
-    peak = tc.peak_tflops * 1e12 if tc.peak_tflops else measure_matmul_peak(device, precision.dtype)
-    peak *= ctx.world_size  # MFU of the whole job against the sum of the ranks' peaks (rank 0's, x world)
-    global_batch = plan.global_batch
-    tokens_per_step = global_batch * tc.seq_len
-    say(
-        f"model: {n_params / 1e6:.2f}M parameters, {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
-        f"vocab {vocab} | batch {global_batch}x{tc.seq_len} = {tokens_per_step:,} tokens/step | "
-        f"{ctx.world_size} rank(s), {device.type} {precision.name} | matmul peak {peak / 1e12:.2f} TFLOP/s"
-    )
+    def plan(self) -> None:
+        cfg, ctx, tc = self.cfg, self.ctx, self.cfg.train
+        self.balance_plan = self.balance()
+        # Drift needs each rank's own compute time; on CPU the DDP hook gives it (BucketClock), on a
+        # GPU host timestamps run ahead of the kernels, so re-balancing stays off there until
+        # CUDA-event timing lands.
+        watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto"
+        if watch and self.device.type == "cuda":
+            self.say("re-balancing on drift is CPU-only for now; the initial balance holds for this run")
+            watch = False
+        self.monitor = DriftMonitor(self.balance_plan, cfg.cluster.rebalance_threshold,
+                                    cfg.cluster.rebalance_window) if watch else None
+        self.slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # no slowdown when the cluster is not described
+        self.check = self._memory_plan()
+        offload = self.check is not None and self.check.dp.optimizer_offload
+        self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload)
+        if offload:
+            self.say(f"rank {ctx.rank}: optimizer state in host memory (it does not fit beside the weights and gradients)")
+        self.components = {"optimizer": self.optimizer, "scaler": self.scaler}
+        if self.state.last_checkpoint is not None:
+            load_components(self.state.last_checkpoint, self.components, ctx.rank)
+        self.net, self.clock = parallelize(self.model, ctx, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._accounting()
 
-    def checkpoint_state() -> dict:
+    def _memory_plan(self) -> PlanCheck | None:
+        """Plan this rank's activations for the micro-batch it was given (and install the plan); the
+        main rank prints every rank's plan side by side and saves them to RUN/memory/plans.json."""
+        cfg, ctx = self.cfg, self.ctx
+        if not cfg.memory.active:
+            return None
+        share = self.balance_plan.shares[ctx.rank]
+        micro = share.micro_batch_size or 1
+        dp = plan_for_config(cfg, self.model_cfg, self.device, micro,
+                             device_memory_bytes(rank_device(cfg.cluster, ctx), self.device),
+                             self.run_dir / "memory", ctx.backend if ctx.distributed else None)
+        runner = apply_plan(self.model, dp.plan, measure=False)  # the check measures one step
+        p = dp.prediction
+        mine = {"rank": ctx.rank, "device": share.device, "micro_batch": micro, "budget": dp.budget,
+                "strategy": dp.plan.strategy, "plan": dp.summary(), "options": dp.plan.options,
+                "predicted_peak_bytes": p.peak_bytes, "predicted_held_bytes": p.held_bytes,
+                "predicted_step_s": p.time_s, "keep_all_step_s": dp.keep_all.time_s,
+                "optimizer_offload": dp.optimizer_offload, "offload_s_per_step": dp.offload_s}
+        rows = all_gather_object(ctx, mine)
+        if ctx.is_main:
+            t = Table(title="memory plan per rank (predicted for one micro-batch)")
+            for col in ("rank", "device", "budget", "micro-batch", "plan", "peak", "held", "step ms", "vs keep-all"):
+                t.add_column(col, justify="left" if col in ("device", "plan") else "right")
+            for r in rows:
+                t.add_row(str(r["rank"]), r["device"], format_bytes(r["budget"]) if r["budget"] else "none",
+                          str(r["micro_batch"]), escape(r["plan"]), format_bytes(r["predicted_peak_bytes"]),
+                          format_bytes(r["predicted_held_bytes"]), f"{r['predicted_step_s'] * 1e3:.1f}",
+                          f"{r['predicted_step_s'] / r['keep_all_step_s']:.3f}x")
+            self.say(t)
+            (self.run_dir / "memory").mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "memory" / "plans.json").write_text(json.dumps(rows, indent=1))
+        return PlanCheck(dp, runner, self.device, cfg.memory.verify_tolerance)
+
+    def _accounting(self) -> None:
+        """FLOPs per token (model, and hardware with this rank's recomputation), the job's peak as
+        the sum of every rank's, and the run_start record the report derives cost and energy from."""
+        cfg, ctx, tc, shape = self.cfg, self.ctx, self.cfg.train, self.model_cfg
+        self.n_params = self.model.num_parameters()
+        self.fpt = flops_per_token(shape, tc.seq_len)
+        # Hardware FLOPs add the recomputation of this rank's memory plan: the share of the blocks'
+        # forward it repeats (by the planner's profiled times) times the blocks' forward FLOPs.
+        self.hw_fpt = self.fpt
+        if self.check is not None:
+            pred = self.check.dp.prediction
+            blocks_fwd = sum(b.fwd_s for b in self.check.dp.profile.blocks)
+            if blocks_fwd > 0:
+                self.hw_fpt += pred.breakdown_time["recompute"] / blocks_fwd * shape.n_layers * block_forward_flops(
+                    shape, 1, tc.seq_len)
+        mine = tc.peak_tflops * 1e12 if tc.peak_tflops else measure_matmul_peak(self.device, self.precision.dtype)
+        self.rank_peaks = all_gather_object(ctx, mine)
+        self.peak = sum(self.rank_peaks)  # MFU of the whole job against the sum of its ranks' peaks
+        self.global_batch = self.balance_plan.global_batch
+        self.tokens_per_step = self.global_batch * tc.seq_len
+        self.say(
+            f"model: {self.n_params / 1e6:.2f}M parameters, {shape.n_layers} layers, d={shape.d_model}, "
+            f"vocab {self.vocab} | batch {self.global_batch}x{tc.seq_len} = {self.tokens_per_step:,} tokens/step | "
+            f"{ctx.world_size} rank(s), {self.device.type} {self.precision.name} | "
+            f"matmul peak {self.peak / 1e12:.2f} TFLOP/s"
+        )
+        self.logger = MetricsLogger(self.run_dir, tensorboard=tc.tensorboard) if ctx.is_main else None
+        spec = rank_device(cfg.cluster, ctx)
+        dev_name = device_name(spec, self.device)
+        power, power_source = rank_power(spec.power_w if spec else None, dev_name, self.device.type == "cuda")
+        self.power_meter = PowerMeter(self.device)
+        ranks = all_gather_object(ctx, {"rank": ctx.rank, "device": dev_name, "power_w": power,
+                                        "power_source": power_source})
+        if ctx.is_main:
+            self.logger.log("event", self.state.step, {
+                "event": "run_start", "params": self.n_params, "flops_per_token": self.fpt,
+                "hw_flops_per_token": self.hw_fpt, "matmul_params": matmul_params(shape),
+                "seq_len": tc.seq_len, "tokens_per_step": self.tokens_per_step, "ranks": ranks,
+                "rank_peak_tflops": [p / 1e12 for p in self.rank_peaks]})
+
+    # ------------------------------------------------------------------- step
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step on this rank's share: (loss on the device, grad norm, compute s)."""
+        st, tc = self.state, self.cfg.train
+        lr = lr_at(st.step, tc)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        mine = self.balance_plan.micro_positions(self.ctx.rank, st.consumed)
+        checking = self.check is not None and self.check.before(st.steps_this_call, self.params, not self.ctx.distributed)
+        step_loss, compute_s = backward_share(
+            self.net, self.train_samples, self.order, mine, st.consumed, self.tokens_per_step, self.ctx.world_size,
+            self.precision, self.scaler, self.device,
+            after_forward=lambda seconds: self.slowdown.after_forward(seconds, st.step), clock=self.clock,
+        )
+        if checking:
+            record, warnings = self.check.after(compute_s, sum(n for _, n in mine))
+            for w in warnings:
+                warn(f"rank {self.ctx.rank}: {w}")
+            if record is not None and self.ctx.is_main:
+                self.logger.log("event", st.step + 1, record)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        self.scaler.step(self.optimizer)  # skipped (and the scale halved) if fp16 gradients overflowed
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        st.step += 1
+        st.steps_this_call += 1
+        st.consumed += self.global_batch
+        return step_loss, grad_norm, compute_s
+
+    # ---------------------------------------------------------------- observe
+    def observe_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor, compute_s: float,
+                     stop_requested: bool, bar) -> bool:
+        """The global view of the step: the loss summed over ranks on the device (read at the next
+        log), each rank's compute time and any stop request (host values, gathered), drift. Returns
+        whether any rank asked to stop."""
+        st, ctx = self.state, self.ctx
+        if not ctx.distributed:
+            st.pending.append((st.step, step_loss, None, grad_norm))
+            return stop_requested
+        reduce = dist.all_reduce(step_loss, async_op=True)
+        st.pending.append((st.step, step_loss, reduce, grad_norm))
+        rows = all_gather_rows(ctx, torch.tensor([compute_s, float(stop_requested)], dtype=torch.float64))
+        st.rank_times = rows[:, 0].tolist()
+        new_plan = self.monitor.observe(st.rank_times) if self.monitor else None
+        if new_plan is not None:
+            old = [s.samples for s in self.balance_plan.shares]
+            self.balance_plan = new_plan
+            if ctx.is_main:
+                new_plan.save(self.run_dir / PLAN_FILE)
+                self.logger.log("event", st.step, {"event": "rebalance", "old_samples": old,
+                                                   "new_samples": [s.samples for s in new_plan.shares],
+                                                   "rank_compute_s": st.rank_times})
+                bar.console.print(f"step {st.step}: step times drifted, re-balanced {old} -> "
+                                  f"{[s.samples for s in new_plan.shares]} samples per rank")
+        return bool(rows[:, 1].max() > 0)
+
+    def _drain(self) -> list[tuple[int, float, float]]:
+        """The pending steps' global losses and grad-norms as numbers: the interval's one host sync."""
+        out = []
+        for s, loss, reduce, gnorm in self.state.pending:
+            if reduce is not None:
+                reduce.wait()
+            out.append((s, float(loss), float(gnorm)))
+            self.state.losses[s] = out[-1][1]
+        self.state.pending.clear()
+        return out
+
+    def log_interval(self, elapsed: float, steps: int, bar, task) -> None:
+        st, tc, device = self.state, self.cfg.train, self.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        synced = self._drain()
+        tok_s = steps * self.tokens_per_step / elapsed
+        self.power_meter.sample()
+        st.rate = {"tokens_per_s": tok_s, "tflops": self.fpt * tok_s / 1e12, "mfu": self.fpt * tok_s / self.peak}
+        mean_loss = sum(lv for _, lv, _ in synced) / len(synced)
+        lr = lr_at(st.step - 1, tc)
+        if self.ctx.is_main:
+            record = {
+                "loss": mean_loss, "lr": lr, "grad_norm": synced[-1][2], **st.rate,
+                "hfu": self.hw_fpt * tok_s / self.peak, "peak_mem_mb": peak_memory_mb(device),
+                "step_time_s": elapsed / steps, "tokens": st.consumed * tc.seq_len,
+                "loss_scale": float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0,
+            }
+            if self.ctx.distributed:
+                record["rank_compute_s"] = st.rank_times
+                record["rank_samples"] = [s.samples for s in self.balance_plan.shares]
+            self.logger.log("train", st.step, record)
+        info = f"loss {mean_loss:.4f} | {tok_s:,.0f} tok/s | MFU {st.rate['mfu']:.1%}"
+        bar.update(task, info=info)
+        self.say(f"step {st.step:>6}/{tc.steps} | {info} | lr {lr:.2e} | gnorm {synced[-1][2]:.3f}")
+
+    def validate(self, max_batches: int) -> EvalResult:
+        ctx = self.ctx
+
+        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            return all_gather_rows(ctx, t).sum(0)
+
+        return evaluate(self.model, self.val_samples, self.cfg.train.micro_batch_size, self.device, max_batches,
+                        self.byte_lengths, self.precision.autocast, ctx.rank, ctx.world_size,
+                        reduce_sum if ctx.distributed else None)
+
+    # ---------------------------------------------------------------- persist
+    def checkpoint_state(self) -> dict:
+        st, tc = self.state, self.cfg.train
         return {
-            "consumed_samples": consumed,
-            "model_config": model_cfg.to_dict(),
-            "data_dir": str(data.out_dir),
-            "tokenizer": str(tokenizer_path),
+            "consumed_samples": st.consumed,
+            "model_config": self.model_cfg.to_dict(),
+            "data_dir": str(self.data.out_dir.resolve()),
+            "data_fingerprint": self.data.meta.get("fingerprint"),
             "seq_len": tc.seq_len,
-            "precision": precision.name,
-            "world_size": ctx.world_size,
-            "schedule": {"lr": lr_at(max(step - 1, 0), tc), "warmup_steps": tc.warmup_steps, "steps": tc.steps},
+            "precision": self.precision.name,
+            "world_size": self.ctx.world_size,
+            "balance": self.balance_plan.to_dict(),
+            "schedule": {"lr": lr_at(max(st.step - 1, 0), tc), "warmup_steps": tc.warmup_steps, "steps": tc.steps},
         }
 
-    def write_checkpoint(final: bool) -> Path | None:
+    def write_checkpoint(self, final: bool) -> Path | None:
         """Rank 0 writes; all ranks learn whether it worked, so none waits on a failed one."""
-        path, error = None, None
+        ctx, tc = self.ctx, self.cfg.train
         if not tc.save_checkpoints:  # a benchmark: nothing to resume, no GBs to write
             return None
+        rngs = all_gather_object(ctx, rng_state())
+        path, error = None, None
         if ctx.is_main:
             try:
-                path = save_checkpoint(ckpt_root, step, model, optimizer, scaler, checkpoint_state(), tc.keep_checkpoints)
+                path = save_checkpoint(self.ckpt_root, self.state.step, self.model, self.components,
+                                       self.checkpoint_state(), tc.keep_checkpoints, rngs, self.tokenizer_path)
             except CheckpointError as err:
                 error = str(err)
         path, error = broadcast_object(ctx, (path, error))
@@ -408,158 +563,64 @@ def _train(cfg: RunConfig, ctx: DistContext, device: torch.device, resume: str, 
                 warn(f"{error}; the previous checkpoint is intact, training continues")
         return path
 
-    def reduce_sum(t: torch.Tensor) -> torch.Tensor:
-        return all_gather_rows(ctx, t).sum(0)
-
-    def validate(max_batches: int) -> EvalResult:
-        return evaluate(model, val_samples, tc.micro_batch_size, device, max_batches, byte_lengths,
-                        precision.autocast, ctx.rank, ctx.world_size, reduce_sum if ctx.distributed else None)
-
-    logger = MetricsLogger(run_dir, tensorboard=tc.tensorboard) if ctx.is_main else None
-    # What this invocation runs on, once: the report (hetforge report) derives FLOPs, utilisation,
-    # wall time and energy from it and the train records.
-    spec = rank_device(cfg.cluster, ctx)
-    dev_name = device_name(spec, device)
-    power, power_source = rank_power(spec.power_w if spec else None, dev_name, device.type == "cuda")
-    power_meter = PowerMeter(device)
-    ranks = all_gather_object(ctx, {"rank": ctx.rank, "device": dev_name, "power_w": power,
-                                    "power_source": power_source})
-    if ctx.is_main:
-        logger.log("event", step, {
-            "event": "run_start", "params": n_params, "flops_per_token": fpt, "hw_flops_per_token": hw_fpt,
-            "matmul_params": matmul_params(model_cfg.n_layers, model_cfg.d_model, model_cfg.d_ff, model_cfg.vocab_size),
-            "seq_len": tc.seq_len, "tokens_per_step": tokens_per_step, "ranks": ranks})
-    params = [p for p in model.parameters() if p.requires_grad]
-    losses: dict[int, float] = {}
-    pending: list[tuple[int, torch.Tensor | float, torch.Tensor]] = []  # (step, loss, grad-norm) not yet synced
-    rate = {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": 0.0}
-    steps_this_call = 0
-    rank_times: list[float] = []
-    model.train()
-
-    with StopSignals(announce=ctx.is_main) as stop, \
-            make_progress(TextColumn("{task.fields[info]}"), enabled=tc.progress and ctx.is_main) as bar:
-        task = bar.add_task("training", total=tc.steps, completed=step, info="")
-        interval_t0, interval_steps = time.perf_counter(), 0
-        while step < tc.steps:
-            # -- one optimizer step: this rank's micro-batches of the global batch
-            lr = lr_at(step, tc)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            mine = plan.micro_positions(ctx.rank, consumed)
-            checking = check is not None and check.before(steps_this_call, params, not ctx.distributed)
-            step_loss, compute_s = backward_share(
-                net, train_samples, order, mine, consumed, tokens_per_step, ctx.world_size, precision, scaler,
-                device, after_forward=lambda seconds: slowdown.after_forward(seconds, step), clock=clock,
-            )
-            if checking:
-                record, warnings = check.after(compute_s, sum(n for _, n in mine))
-                for w in warnings:
-                    warn(f"rank {ctx.rank}: {w}")
-                if record is not None and ctx.is_main:
-                    logger.log("event", step + 1, record)
-            scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-            scaler.step(optimizer)  # skipped (and the scale halved) if fp16 gradients overflowed
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            steps_this_call += 1
-            consumed += global_batch
-            interval_steps += 1
-            bar.advance(task)
-
-            # -- global view of the step: loss summed over ranks, each rank's time, any stop request
-            stop_requested = stop.signum is not None
-            if ctx.distributed:
-                rows = all_gather_rows(ctx, torch.stack([step_loss.double().cpu(), torch.tensor(compute_s, dtype=torch.float64),
-                                                         torch.tensor(float(stop_requested), dtype=torch.float64)]))
-                pending.append((step, float(rows[:, 0].sum()), grad_norm))
-                rank_times = rows[:, 1].tolist()
-                stop_requested = bool(rows[:, 2].max() > 0)
-                new_plan = monitor.observe(rank_times) if monitor else None
-                if new_plan is not None:
-                    old = [s.samples for s in plan.shares]
-                    plan = new_plan
+    # ------------------------------------------------------------------ train
+    def train(self, stop_after: int | None = None) -> TrainResult:
+        st, tc, ctx = self.state, self.cfg.train, self.ctx
+        self.model.train()
+        with StopSignals(announce=ctx.is_main) as stop, \
+                make_progress(TextColumn("{task.fields[info]}"), enabled=tc.progress and ctx.is_main) as bar:
+            task = bar.add_task("training", total=tc.steps, completed=st.step, info="")
+            interval_t0, interval_steps = time.perf_counter(), 0
+            while st.step < tc.steps:
+                step_loss, grad_norm, compute_s = self.train_step()
+                interval_steps += 1
+                bar.advance(task)
+                stop_requested = self.observe_step(step_loss, grad_norm, compute_s, stop.signum is not None, bar)
+                if st.step % tc.log_interval == 0 or st.step == tc.steps:
+                    self.log_interval(time.perf_counter() - interval_t0, interval_steps, bar, task)
+                    interval_t0, interval_steps = time.perf_counter(), 0
+                # validate and checkpoint (excluded from the throughput figures)
+                paused = time.perf_counter()
+                if st.step % tc.eval_interval == 0 and st.step < tc.steps:
+                    v = self.validate(tc.eval_batches)
                     if ctx.is_main:
-                        plan.save(run_dir / PLAN_FILE)
-                        logger.log("event", step, {"event": "rebalance", "old_samples": old,
-                                                   "new_samples": [s.samples for s in plan.shares],
-                                                   "rank_compute_s": rank_times})
-                        bar.console.print(f"step {step}: step times drifted, re-balanced {old} -> "
-                                          f"{[s.samples for s in plan.shares]} samples per rank")
-            else:
-                pending.append((step, step_loss, grad_norm))
+                        self.logger.log("val", st.step, v.to_dict())
+                    self.say(f"step {st.step:>6} | val loss {v.loss:.4f} | ppl {v.perplexity:.1f}")
+                stopping = stop_requested or (stop_after is not None and st.steps_this_call >= stop_after)
+                if (st.step % tc.checkpoint_interval == 0 or stopping) and st.step < tc.steps:
+                    st.last_checkpoint = self.write_checkpoint(final=False) or st.last_checkpoint
+                interval_t0 += time.perf_counter() - paused
+                if stopping:
+                    break
+        return self.finish(stop.signum)
 
-            # -- log: one host sync per interval on a single process
-            if step % tc.log_interval == 0 or step == tc.steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                elapsed = time.perf_counter() - interval_t0
-                synced = [(s, float(lv), float(g)) for s, lv, g in pending]
-                pending.clear()
-                for s, lv, _ in synced:
-                    losses[s] = lv
-                tok_s = interval_steps * tokens_per_step / elapsed
-                power_meter.sample()
-                rate = {"tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12, "mfu": fpt * tok_s / peak}
-                mean_loss = sum(lv for _, lv, _ in synced) / len(synced)
-                if ctx.is_main:
-                    record = {
-                        "loss": mean_loss, "lr": lr, "grad_norm": synced[-1][2], **rate,
-                        "hfu": hw_fpt * tok_s / peak, "peak_mem_mb": peak_memory_mb(device),
-                        "step_time_s": elapsed / interval_steps, "tokens": consumed * tc.seq_len,
-                        "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else 1.0,
-                    }
-                    if ctx.distributed:
-                        record["rank_compute_s"] = rank_times
-                        record["rank_samples"] = [s.samples for s in plan.shares]
-                    logger.log("train", step, record)
-                info = f"loss {mean_loss:.4f} | {tok_s:,.0f} tok/s | MFU {rate['mfu']:.1%}"
-                bar.update(task, info=info)
-                say(f"step {step:>6}/{tc.steps} | {info} | lr {lr:.2e} | gnorm {synced[-1][2]:.3f}")
-                interval_t0, interval_steps = time.perf_counter(), 0
-
-            # -- validate and checkpoint (excluded from the throughput figures)
-            paused = time.perf_counter()
-            if step % tc.eval_interval == 0 and step < tc.steps:
-                v = validate(tc.eval_batches)
-                if ctx.is_main:
-                    logger.log("val", step, v.to_dict())
-                say(f"step {step:>6} | val loss {v.loss:.4f} | ppl {v.perplexity:.1f}")
-            stopping = stop_requested or (stop_after is not None and steps_this_call >= stop_after)
-            if (step % tc.checkpoint_interval == 0 or stopping) and step < tc.steps:
-                last_ckpt = write_checkpoint(final=False) or last_ckpt
-            interval_t0 += time.perf_counter() - paused
-            if stopping:
-                break
-
-    interrupted = step < tc.steps
-    for s, lv, _ in pending:
-        losses[s] = float(lv)
-    val = None
-    if not interrupted:
-        val = validate(tc.final_eval_batches)
+    def finish(self, signum: int | None) -> TrainResult:
+        st, tc, ctx = self.state, self.cfg.train, self.ctx
+        interrupted = st.step < tc.steps
+        self._drain()
+        val = None
+        if not interrupted:
+            val = self.validate(tc.final_eval_batches)
+            if ctx.is_main:
+                self.logger.log("val", st.step, val.to_dict())
+            if st.steps_this_call or st.last_checkpoint is None:  # a finished run that was resumed needs no rewrite
+                st.last_checkpoint = self.write_checkpoint(final=True)
+        measured = all_gather_object(ctx, self.power_meter.mean_w)
+        plot = self.run_dir / "loss_curve.png"
+        report = None
         if ctx.is_main:
-            logger.log("val", step, val.to_dict())
-        if steps_this_call or last_ckpt is None:  # a finished run that was resumed needs no rewrite
-            last_ckpt = write_checkpoint(final=True)
-    measured = all_gather_object(ctx, power_meter.mean_w)
-    plot = run_dir / "loss_curve.png"
-    report = None
-    if ctx.is_main:
-        if any(w is not None for w in measured):
-            logger.log("event", step, {"event": "power_measured", "measured_w": measured})
-        logger.close()
-        plot_loss_curve(logger.path, plot, title=f"{cfg.name}: {n_params / 1e6:.1f}M params")
-        if steps_this_call:
-            report = write_report(run_dir)
-    barrier(ctx)
-    return TrainResult(
-        run_dir=run_dir, step=step, losses=losses, val=val, peak_tflops=peak / 1e12,
-        checkpoint=last_ckpt, interrupted=interrupted, **rate,
-        extra={"plot": str(plot), "metrics": str(run_dir / "metrics.jsonl"), "params": n_params,
-               "flops_per_token": fpt, "signal": stop.signum, "rank": ctx.rank, "world_size": ctx.world_size,
-               "plan": plan.to_dict(), "report": str(report) if report else None,
-               "peak_source": "configured" if tc.peak_tflops else "measured"},
-    )
+            if any(w is not None for w in measured):
+                self.logger.log("event", st.step, {"event": "power_measured", "measured_w": measured})
+            self.logger.close()
+            plot_loss_curve(self.logger.path, plot, title=f"{self.cfg.name}: {self.n_params / 1e6:.1f}M params")
+            if st.steps_this_call:
+                report = write_report(self.run_dir)
+        barrier(ctx)
+        return TrainResult(
+            run_dir=self.run_dir, step=st.step, losses=dict(st.losses), val=val, peak_tflops=self.peak / 1e12,
+            checkpoint=st.last_checkpoint, interrupted=interrupted, **st.rate,
+            extra={"plot": str(plot), "metrics": str(self.run_dir / "metrics.jsonl"), "params": self.n_params,
+                   "flops_per_token": self.fpt, "signal": signum, "rank": ctx.rank, "world_size": ctx.world_size,
+                   "plan": self.balance_plan.to_dict(), "report": str(report) if report else None,
+                   "peak_source": "configured" if tc.peak_tflops else "measured"},
+        )

@@ -8,25 +8,26 @@ from dataclasses import dataclass
 
 import torch
 
+from hetforge.core.errors import ConfigError
+from hetforge.core.hardware import detect, run_precision
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
-    """`auto` for one device by `cluster.capability.run_precision`'s rule (a distributed run decides
+    """`auto` for one device by `hardware.run_precision`'s rule (a distributed run decides
     once for all its ranks, in the loop). fp16 on the CPU is allowed (slow) so that the
     loss-scaling path is testable anywhere."""
     if name != "auto":
         return name
-    from hetforge.cluster.capability import detect, run_precision
-
     return run_precision([detect(device)])[0]
 
 

@@ -1,0 +1,189 @@
+"""Checkpoint directories on disk: written whole or not at all, checked before they are trusted.
+
+Layout: `ROOT/step_00000100/` with any files its writer puts there and last `manifest.json` (size
+and SHA-256 of every file). A checkpoint is written into a temporary directory next to it, every
+file fsynced, then renamed into place: a crash or a full disk mid-write leaves the previous
+checkpoint untouched, and the half-written one is removed (at once when the write fails, on the
+next start when the writer was killed). Readers try checkpoints newest first and skip any whose
+files do not match the manifest. This module knows files, not models: what goes into the
+directory is the writer's (`hetforge.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hetforge.core.console import warn
+from hetforge.core.errors import HetforgeError
+
+_NAME = re.compile(r"^step_(\d{8})$")
+_TEMP = re.compile(r"^\.step_(\d{8})\.tmp-(?P<host>.+)-(?P<pid>\d+)$")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(HetforgeError, RuntimeError):
+    pass
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step_{step:08d}"
+
+
+def _temp_dir(root: Path, step: int) -> Path:
+    return Path(root) / f".step_{step:08d}.tmp-{socket.gethostname()}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temps(root: str | Path) -> list[Path]:
+    """Remove the temporary directories of writers that died mid-write (any PID, this host; a
+    temporary directory of a live process is being written and stays). Returns what was removed."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    host, removed = socket.gethostname(), []
+    for p in root.iterdir():
+        m = _TEMP.match(p.name)
+        if m and m["host"] == host and (int(m["pid"]) == os.getpid() or not _alive(int(m["pid"]))):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def write_manifest(path: Path, step: int, extra: dict[str, Any] | None = None) -> None:
+    files = {}
+    for f in sorted(path.iterdir()):
+        if f.name == MANIFEST or not f.is_file():
+            continue
+        fsync(f)
+        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+    (path / MANIFEST).write_text(json.dumps({"step": step, **(extra or {}), "files": files}, indent=1))
+    fsync(path / MANIFEST)
+
+
+def publish(root: str | Path, step: int, write: Callable[[Path], None], keep: int,
+            manifest_extra: dict[str, Any] | None = None) -> Path:
+    """`write(tmp)` fills a temporary directory; it becomes `ROOT/step_NNNNNNNN` atomically, with
+    its manifest, and only the newest `keep` checkpoints stay."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = step_dir(root, step), _temp_dir(root, step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        write(tmp)
+        write_manifest(tmp, step, manifest_extra)
+        if final.exists():  # re-saving the same step (e.g. after resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync(root)
+    except (OSError, RuntimeError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {final}: {err}") from err
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first (temporary directories are never listed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name))
+
+
+def verify(path: Path) -> str | None:
+    """None if every file matches the manifest, else what is wrong."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return "manifest missing or unreadable"
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} missing"
+        if f.stat().st_size != info["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, manifest says {info['bytes']}"
+        if sha256_file(f) != info["sha256"]:
+            return f"{name} checksum mismatch"
+    return None
+
+
+def latest_valid(root: str | Path, warn: Callable[[str], None] | None = warn) -> Path | None:
+    for path in reversed(list_checkpoints(root)):
+        problem = verify(path)
+        if problem is None:
+            return path
+        if warn is not None:
+            warn(f"checkpoint {path} is corrupt ({problem}); falling back to the previous one")
+    return None
+
+
+def resolve(path_or_root: str | Path, warn: Callable[[str], None] | None = warn) -> Path:
+    """Accept a checkpoint directory, a checkpoints/ directory or a run directory."""
+    p = Path(path_or_root)
+    if (p / MANIFEST).is_file():
+        problem = verify(p)
+        if problem:
+            raise CheckpointError(f"checkpoint {p} is corrupt: {problem}")
+        return p
+    for root in (p, p / "checkpoints"):
+        found = latest_valid(root, warn) if root.is_dir() else None
+        if found is not None:
+            return found
+    raise CheckpointError(f"no valid checkpoint found at {p}")
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((Path(path) / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: state.json unreadable ({err.__class__.__name__})") from None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
