@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hetforge.core.errors import ConfigError
+from hetforge.core.hardware import DEVICES, lookup
 from hetforge.core.sizes import parse_size
 from hetforge.model.presets import PRESETS
 
@@ -170,16 +171,28 @@ class DeviceSpec(_Strict):
 
     type: str = "cpu"
     count: int = Field(1, ge=1)
+    # GiB (2^30 bytes), as datasheets print "GB"; a figure a few percent above what the driver
+    # reports (16 for a V100 the driver shows as 15.8 GiB) is accepted and the smaller one used.
     memory_gb: float | None = Field(None, gt=0)
     speed: float | None = Field(None, gt=0)  # relative samples/s; used instead of measuring
     power_w: float | None = Field(None, gt=0)  # for the energy estimate; default the GPU model's board power
     slowdown: float = Field(1.0, ge=1.0)
     slowdown_from_step: int = Field(0, ge=0)
 
+    @field_validator("type")
+    @classmethod
+    def _known_type(cls, v: str) -> str:
+        # A misspelt card would otherwise get no datasheet figures (power, peak, precision) and
+        # train as if it were some other device.
+        if v.strip().lower() == "cpu" or lookup(v) is not None:
+            return v
+        raise ValueError(f"unknown device type {v!r}; allowed: cpu, {', '.join(d.name for d in DEVICES)} "
+                         f"(or a name containing one, e.g. 'Tesla V100-SXM2-32GB')")
+
 
 class NodeSpec(_Strict):
     host: str = "localhost"
-    devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec()])
+    devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec()], min_length=1)
 
 
 class AssignmentSpec(_Strict):
@@ -199,7 +212,9 @@ class ClusterConfig(_Strict):
     rebalance_threshold: float = Field(0.25, gt=0)
     rebalance_window: int = Field(5, ge=1)
     rendezvous_timeout_s: float = Field(120.0, gt=0)
-    collective_timeout_s: float = Field(1800.0, gt=0)
+    # A peer that stops answering (hung, stopped, its node gone) is reported after this long; a
+    # checkpoint or a prepare on rank 0 happens outside collectives and does not count against it.
+    collective_timeout_s: float = Field(300.0, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
@@ -257,8 +272,20 @@ class RunConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
+    @model_validator(mode="after")
+    def _assignments_cover_the_batch(self) -> "RunConfig":
+        # Checked here, before any process group or probe, on every rank alike.
+        if self.cluster.balance == "fixed":
+            total = sum(a.samples for a in self.cluster.assignments)
+            if total != self.train.global_batch_size:
+                raise ValueError(
+                    f"cluster.assignments give {total} samples in all but the global batch is "
+                    f"{self.train.global_batch_size} (train.global_batch_tokens / train.seq_len); they must be equal")
+        return self
 
-def _format_errors(err: ValidationError) -> str:
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> str:
+    """Pydantic's report as one line: each problem as `dotted.field: what is wrong (got ...)`."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
@@ -269,8 +296,11 @@ def _format_errors(err: ValidationError) -> str:
             msg = "unknown key (check the spelling; see configs/ for the allowed keys)"
         elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
+        if e["type"] == "missing":
+            msg = "required"
+        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".")
         lines.append(f"{loc}: {msg}" if loc else msg)
-    return "invalid config:\n  " + "\n  ".join(lines)
+    return "; ".join(" ".join(line.split()) for line in lines)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -291,6 +321,8 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
         if "=" not in item:
             raise ConfigError(f"--set expects KEY=VALUE (got {item!r})")
         key, value = item.split("=", 1)
+        if not value.strip():
+            raise ConfigError(f"--set {key}= has no value; write the value (null for none)")
         parts = key.strip().split(".")
         node: Any = out
         for i, p in enumerate(parts):
@@ -314,7 +346,72 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
+        raise ConfigError(f"invalid config: {format_validation_error(err)}") from None
+
+
+def yaml_error(err: yaml.YAMLError) -> str:
+    """A YAML parse error as one line with its position."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).split("\n")[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark else " ".join(str(err).split())
+
+
+def blank_values(text: str) -> list[tuple[str, int]]:
+    """(dotted key, line) of every `key:` with nothing after it. YAML reads that as null, which
+    for an optional field (memory.budget: no limit) would silently mean something the user did not
+    write; an explicit `null` stays allowed."""
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return []
+    found: list[tuple[str, int]] = []
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}{k.value}"
+                if isinstance(v, yaml.ScalarNode) and v.tag.endswith(":null") and v.value == "":
+                    found.append((key, k.start_mark.line + 1))
+                walk(v, key + ".")
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, f"{prefix}{i}.")
+
+    walk(root, "")
+    return found
+
+
+def yaml_line(text: str, loc: tuple) -> int | None:
+    """The 1-based line of the deepest node of `loc` (keys and list indices) that the YAML text
+    has, so an error can point at the line to fix; None when not even the first key is there."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = next(((k, v) for k, v in node.value if k.value == str(part)), None)
+            if nxt is None:
+                break
+            line, node = nxt[0].start_mark.line + 1, nxt[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def validate_file(model: type[BaseModel], raw: Any, text: str, path: Path, prefix: str = "") -> Any:
+    """`model.model_validate(raw)`, its first problem located in the file (`FILE:LINE: field: ...`)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        first = err.errors()[0]["loc"]
+        line = yaml_line(text, tuple(first))
+        where = f"{path}:{line}" if line else str(path)
+        raise ConfigError(f"{where}: {format_validation_error(err, prefix)}") from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -323,12 +420,24 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.safe_load(text) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return build_config(apply_overrides(raw, overrides or []))
+    blank = blank_values(text)
+    if blank:
+        key, line = blank[0]
+        raise ConfigError(f"{path}:{line}: {key} has no value; write the value (null for none) or remove the key")
+    if not overrides:
+        return validate_file(RunConfig, raw, text, path)
+    try:
+        return build_config(apply_overrides(raw, overrides))
+    except ConfigError as err:
+        raise ConfigError(f"{path} with --set {' --set '.join(overrides)}: {err}") from None
 
 
 def dump_config(cfg: RunConfig) -> str:

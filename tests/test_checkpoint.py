@@ -16,6 +16,9 @@ from hetforge.train import checkpoint as ckpt
 from hetforge.train.loop import train
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def test_a_checkpoint_serves_eval_generate_and_export_from_any_directory(make_cfg, data_dir, tmp_path, monkeypatch,
                                                                        capsys):
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
@@ -44,25 +47,51 @@ def test_a_checkpoint_serves_eval_generate_and_export_from_any_directory(make_cf
     assert (elsewhere / "hf" / "tokenizer.json").is_file()
 
 
-def test_stale_temp_dirs_of_dead_writers_are_removed_live_ones_kept(tmp_path):
+WRITER = """
+import sys, time
+from pathlib import Path
+from hetforge.core.checkpoint_io import publish
+
+def write(tmp):
+    (tmp / "model.safetensors").write_bytes(b"x" * 100_000)
+    print("writing", flush=True)
+    time.sleep(float(sys.argv[3]))
+
+publish(Path(sys.argv[1]), int(sys.argv[2]), write, keep=2)
+"""
+
+
+def _writer(root: Path, step: int, sleep_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root), str(step), str(sleep_s)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.readline().strip() == "writing"  # mid-write from here on
+    return proc
+
+
+def test_writers_killed_mid_write_leave_nothing_after_the_next_start_and_a_live_one_is_kept(tmp_path):
+    """Ten writers are kill -9'd mid-write; one more is still writing. The next start removes the
+    ten (whatever their PIDs became since, and one that claims another host), never the live one,
+    which then publishes; disk use is back to the finished checkpoints."""
     root = tmp_path / "checkpoints"
     (root / "step_00000004").mkdir(parents=True)
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for i in range(10):
+        w = _writer(root, 8 + i, 60)
+        w.kill()
+        w.wait()
+    temps = [p for p in root.iterdir() if p.name.startswith(".step_")]
+    assert len(temps) == 10
+    moved = root / f".step_00000099.tmp-some-other-host-{os.getpid()}"  # a dead writer of another node
+    temps[0].rename(moved)
+    live = _writer(root, 30, 3)
     try:
-        host = os.uname().nodename
-        stale = root / f".step_00000008.tmp-{host}-{dead.pid}"
-        busy = root / f".step_00000008.tmp-{host}-{live.pid}"
-        other_host = root / f".step_00000008.tmp-not-{host}-{dead.pid}"
-        for d in (stale, busy, other_host):
-            d.mkdir()
-            (d / "model.safetensors").write_bytes(b"x" * 1000)
-        assert remove_stale_temps(root) == [stale]
-        assert busy.exists() and other_host.exists() and (root / "step_00000004").exists()
+        removed = remove_stale_temps(root)
+        assert len(removed) == 10 and moved in removed
+        left = sorted(p.name for p in root.iterdir())
+        assert left[0].startswith(".step_00000030.tmp-") and left[1:] == ["step_00000004"]
+        assert live.wait(timeout=60) == 0
     finally:
         live.kill()
-        live.wait()
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000004", "step_00000030"]
 
 
 def test_a_run_removes_the_temp_dirs_its_killed_writers_left(make_cfg, tmp_path):

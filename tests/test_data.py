@@ -35,6 +35,12 @@ def _mixed_dir(tmp_path):
             f.write(json.dumps({"body": _doc(i)}) + "\n")
         f.write("{not json\n")
     pq.write_table(pa.table({"body": [_doc(7), _doc(8)]}), d / "table.parquet")
+    (d / "utf16.txt").write_bytes(_doc(9).encode("utf-16"))  # with its BOM, as Windows tools write it
+    (d / "utf32.txt").write_bytes(_doc(10).encode("utf-32"))
+    (d / "nul.txt").write_bytes(_doc(11).encode() + b"x" * 9000 + b"\x00\x00tail")  # NULs past the sniff
+    (d / "sub").mkdir()
+    (d / "sub" / "loop").symlink_to(d, target_is_directory=True)  # a symlink loop
+    (d / "dangling.txt").symlink_to(d / "nowhere.txt")
     return d
 
 
@@ -45,13 +51,16 @@ def test_bad_files_are_skipped_and_counted(tmp_path):
     res = prepare(cfg, progress=False)
     r = res.meta["report"]
     assert r["files_skipped"] == {"empty file": 1, "binary file": 1, "not UTF-8": 1,
-                                  "unsupported file type (.png)": 1}
+                                  "unsupported file type (.png)": 1, "symlink loop (directory already read)": 1,
+                                  "broken symlink": 1}
+    assert r["files_transcoded"] == {"UTF-16": 1, "UTF-32": 1}
+    assert (r["nul_bytes_removed"], r["files_with_nul"]) == (2, 1)
     assert r["docs_dropped"]["exact duplicate"] == 1
     assert r["docs_dropped"]["shorter than min_chars=100"] == 1
     assert r["docs_dropped"]["bad JSON line"] == 1
-    assert r["docs_kept"] == 9  # 4 txt + 3 jsonl + 2 parquet
+    assert r["docs_kept"] == 12  # 4 txt + 3 jsonl + 2 parquet + UTF-16 + UTF-32 + the one with NULs
     total_docs = sum(s["documents"] for s in res.meta["splits"].values())
-    assert total_docs == 9
+    assert total_docs == 12
     assert TokenShard(res.out_dir, "train").num_tokens > 0
 
 

@@ -210,7 +210,7 @@ def test_a_device_with_less_memory_gets_a_plan_and_a_smaller_share(make_cfg, tmp
     from hetforge.cluster.balance import RankInfo, TimeModel, balanced_plan
 
     cluster = {"nodes": [{"host": "localhost", "devices": [
-        {"type": "big", "memory_gb": 4.0, "speed": 1.0}, {"type": "small", "memory_gb": 2.6 / 1024, "speed": 1.0}]}]}
+        {"type": "cpu", "memory_gb": 4.0, "speed": 1.0}, {"type": "cpu", "memory_gb": 2.6 / 1024, "speed": 1.0}]}]}
     cfg = with_cluster(make_cfg, "joint", cluster, steps=3, micro_batch_size=8, global_batch_tokens=16 * 32)
     cfg = cfg.model_copy(update={"memory": type(cfg.memory).model_validate({"budget": "auto"})})
     res = run_train(cfg, 2, tmp_path)

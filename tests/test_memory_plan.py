@@ -1,6 +1,7 @@
 """The planner against enumeration and its own invariants, on synthetic profiles (no torch)."""
 
 import copy
+import math
 import itertools
 import random
 
@@ -132,7 +133,7 @@ def test_infeasible_budget_names_the_minimum():
     lo = minimum_budget(prof, TensorMenu())
     with pytest.raises(PlanError, match="smallest feasible budget") as e:
         solve(prof, lo * 0.98, TensorMenu())
-    assert f"{lo:.0f} bytes" in str(e.value)
+    assert f"{math.ceil(lo)} bytes" in str(e.value)
     assert solve(prof, lo * 1.0001, TensorMenu()) is not None
     with pytest.raises(PlanError, match="weights \\+ gradients \\+ optimizer state"):
         solve(prof, prof.static_bytes * 0.5, TensorMenu())
@@ -178,3 +179,22 @@ def test_tensor_solve_scales_to_deep_models():
             plan = solve(prof, budget_between(prof, TensorMenu(), frac), TensorMenu(), time_limit_s=60, gap=0.01)
             assert plan.solve["gap"] <= 0.01
             assert plan.solve["seconds"] < 60
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_answers_are_checked_the_minimum_passes_back_and_keep_all_is_exact(seed):
+    """The planner's answers hold under the simulator: the minimum it names (exact, and as printed,
+    rounded up) is accepted when passed back; no plan it returns is over the budget, not even by
+    rounding; keep-all is chosen exactly when it fits (a byte below its peak it is not)."""
+    prof = synthetic(2 + seed % 5, 100 + seed, units_per_branch=1 + seed % 2)
+    prof.overlap = bool(seed % 2)
+    menu = TensorMenu() if seed % 3 else menu_for("sublayer")
+    n = len(prof.blocks)
+    lo = minimum_budget(prof, menu)
+    keep = simulate(prof, Plan(["keep"] * n)).peak_bytes
+    for budget in (lo, float(math.ceil(lo)), lo + 0.37 * (keep - lo), keep - 1.0, keep - 1e-3, keep, keep + 1.0):
+        plan = solve(prof, budget, menu, time_limit_s=5)
+        assert simulate(prof, plan).peak_bytes <= budget, budget
+        assert (plan.options == ["keep"] * n) == (budget >= keep), budget
+    with pytest.raises(PlanError):
+        solve(prof, lo - max(1.0, 1e-6 * lo), menu, time_limit_s=5)

@@ -155,6 +155,7 @@ class BalancePlan:
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(self.to_dict(), indent=1))
         tmp.replace(path)
 

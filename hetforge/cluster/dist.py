@@ -4,13 +4,23 @@ Launchers: `torchrun` (its agent store does the rendezvous), Slurm `srun` (SLURM
 to RANK / WORLD_SIZE / LOCAL_RANK; MASTER_ADDR and MASTER_PORT from the job script), or the plain
 environment variables. Without WORLD_SIZE > 1 everything here is a no-op and the run is one process.
 NCCL on GPUs, gloo on CPUs. The rendezvous has its own, short, timeout so that an unreachable
-endpoint is a clear error in seconds instead of a hang; collectives get a long one (a slow prepare
-or checkpoint on rank 0 must not trip it).
+endpoint is a clear error in seconds instead of a hang.
+
+A peer that dies or stops answering: every rank bumps a heartbeat counter in the rendezvous store
+once a second (a thread with its own connection). Collectives time out after
+`cluster.collective_timeout_s`; work only rank 0 does (preparing data, writing a checkpoint) is
+waited for through the store instead, for as long as rank 0's heartbeat goes on, so a long
+checkpoint never trips the timeout. When a collective fails, `peer_failure` reads the counters to
+name the rank that stopped, and a rank that stops on its own error posts the message first, so the
+others can say what it was.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -35,6 +45,9 @@ class DistContext:
     # Host values (step times, stop requests, plans) go over gloo even when gradients go over NCCL,
     # so that exchanging them never waits for the GPU's queue.
     host_group: object | None = None
+    store: object | None = None  # the run's rendezvous store (prefixed by restart attempt)
+    heartbeat: "Heartbeat | None" = None
+    timeout_s: float = 1800.0
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +63,11 @@ def _env_int(*names: str, default: int | None = None) -> int | None:
         if os.environ.get(n, "") != "":
             return int(os.environ[n])
     return default
+
+
+def launch_world_size() -> int:
+    """How many ranks the launcher started, known before any connection is made."""
+    return _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
 
 
 def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_timeout_s: float) -> DistContext:
@@ -86,14 +104,162 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
             f"that rank 0 is running, and firewalls"
         ) from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"hetforge/attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    prefix = f"hetforge/attempt_{attempt}"
+    ctx.store, ctx.timeout_s = dist.PrefixStore(prefix, store), collective_timeout_s
+    dist.init_process_group(backend, store=ctx.store, rank=rank, world_size=world, timeout=timeout)
     if backend == "nccl":
         ctx.host_group = dist.new_group(backend="gloo", timeout=timeout)
+    ctx.store.set(f"host/{rank}", ctx.host)
+    ctx.heartbeat = Heartbeat(addr, port, prefix, rank)
     return ctx
 
 
-def shutdown() -> None:
+class Heartbeat(threading.Thread):
+    """Counts up `beat/RANK` in the store once a second, over a connection of its own. A stopped,
+    killed or cut-off rank stops counting; a busy one does not (the thread runs whenever the main
+    thread waits in C++ or yields the GIL)."""
+
+    INTERVAL_S = 1.0
+
+    def __init__(self, addr: str, port: int, prefix: str, rank: int):
+        super().__init__(name="hetforge-heartbeat", daemon=True)
+        self.key = f"beat/{rank}"
+        self._stop_event = threading.Event()
+        self.store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                                            timeout=timedelta(seconds=30)))
+        self.store.add(self.key, 1)
+        self.start()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.INTERVAL_S):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # the store's host is gone: the main thread finds out and says so
+                return
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def _beats(store, world: int) -> list[int | None]:
+    out: list[int | None] = []
+    for r in range(world):
+        try:
+            out.append(store.add(f"beat/{r}", 0))
+        except Exception:
+            out.append(None)
+    return out
+
+
+def silent_ranks(ctx: DistContext, wait_s: float = 2.5 * Heartbeat.INTERVAL_S) -> list[int] | None:
+    """Ranks whose heartbeat did not advance over `wait_s`; None when the store cannot be read."""
+    try:
+        first = _beats(ctx.store, ctx.world_size)
+        time.sleep(wait_s)
+        second = _beats(ctx.store, ctx.world_size)
+    except Exception:
+        return None
+    if all(b is None for b in second):
+        return None
+    return [r for r, (a, b) in enumerate(zip(first, second)) if r != ctx.rank and (b is None or a == b)]
+
+
+_COMM_FAILURE = re.compile(r"connection (reset|closed|refused)|broken pipe|timed out|socket timeout|gloo|nccl|"
+                           r"unbound buffer|transport|aborted", re.IGNORECASE)
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    """A collective that failed because a peer is gone or silent (not a bug of this rank)."""
+    if isinstance(err, HetforgeError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    return (dist_error is not None and isinstance(err, dist_error)) or (
+        isinstance(err, RuntimeError) and bool(_COMM_FAILURE.search(str(err))))
+
+
+def post_error(ctx: DistContext, message: str) -> None:
+    """Leave this rank's own error where the others look when they lose it."""
+    if ctx.store is not None:
+        try:
+            ctx.store.set(f"error/{ctx.rank}", message)
+        except Exception:
+            pass
+
+
+def _posted_errors(ctx: DistContext) -> dict[int, str]:
+    found = {}
+    for r in range(ctx.world_size):
+        try:
+            if r != ctx.rank and ctx.store.check([f"error/{r}"]):
+                found[r] = ctx.store.get(f"error/{r}").decode()
+        except Exception:
+            pass
+    return found
+
+
+def _host_of(ctx: DistContext, r: int) -> str:
+    try:
+        return ctx.store.get(f"host/{r}").decode() if ctx.store.check([f"host/{r}"]) else "?"
+    except Exception:
+        return "?"
+
+
+def peer_failure(ctx: DistContext, err: BaseException, step: int, resume_hint: str) -> ClusterError:
+    """What to tell the user when a collective failed: which rank (and host) was lost or went
+    silent, at which step, and how to go on; one line."""
+    timed_out = bool(re.search(r"timed out|timeout", str(err), re.IGNORECASE))
+    me = f"rank {ctx.rank} ({ctx.host})"
+    posted = _posted_errors(ctx)
+    if posted:
+        r, msg = min(posted.items())
+        return ClusterError(f"{me}: rank {r} ({_host_of(ctx, r)}) stopped at step {step} with: {msg}")
+    silent = silent_ranks(ctx)
+    if silent is None:
+        what = "lost the rendezvous store (rank 0's or the launcher's node is gone)"
+    elif silent:
+        names = ", ".join(f"rank {r} ({_host_of(ctx, r)})" for r in silent)
+        what = (f"{names} stopped answering for {ctx.timeout_s:g}s (cluster.collective_timeout_s)" if timed_out
+                else f"lost {names}")
+    else:
+        what = ("a collective timed out after "
+                f"{ctx.timeout_s:g}s (cluster.collective_timeout_s) though every rank is alive" if timed_out
+                else f"a peer closed its connection ({' '.join(str(err).split())[:120]})")
+    return ClusterError(f"{me}: {what} at step {step}; {resume_hint}")
+
+
+def wait_for_main(ctx: DistContext, key: str, what: str) -> str:
+    """Wait until rank 0 posts `key` (the outcome of work only it does), for as long as its
+    heartbeat goes on; its value. A silent rank 0 is an error after the collective timeout."""
+    if ctx.rank == 0:
+        raise ValueError("rank 0 posts, it does not wait")
+    last, since = None, time.monotonic()
+    while True:
+        try:
+            if ctx.store.check([key]):
+                return ctx.store.get(key).decode()
+            if ctx.store.check(["error/0"]):
+                raise ClusterError(f"rank {ctx.rank} ({ctx.host}): rank 0 ({_host_of(ctx, 0)}) stopped while "
+                                   f"{what}: {ctx.store.get('error/0').decode()}")
+            beat = ctx.store.add("beat/0", 0)
+        except ClusterError:
+            raise
+        except Exception:
+            raise ClusterError(f"rank {ctx.rank} ({ctx.host}): lost the rendezvous store while rank 0 was {what}") from None
+        if beat != last:
+            last, since = beat, time.monotonic()
+        elif time.monotonic() - since > ctx.timeout_s:
+            raise ClusterError(f"rank {ctx.rank} ({ctx.host}): rank 0 ({_host_of(ctx, 0)}) stopped answering for "
+                               f"{ctx.timeout_s:g}s while {what} (cluster.collective_timeout_s)")
+        time.sleep(0.1)
+
+
+def post(ctx: DistContext, key: str, value: str) -> None:
+    ctx.store.set(key, value)
+
+
+def shutdown(ctx: DistContext | None = None) -> None:
+    if ctx is not None and ctx.heartbeat is not None:
+        ctx.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
 

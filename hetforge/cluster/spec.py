@@ -7,22 +7,84 @@ from pathlib import Path
 
 import torch
 import yaml
+from pydantic import BaseModel, ConfigDict
 
-from hetforge.config import ClusterConfig, ConfigError, DeviceSpec, NodeSpec
+from hetforge.config import ClusterConfig, ConfigError, DeviceSpec, NodeSpec, blank_values, validate_file, yaml_error
 from hetforge.cluster.dist import DistContext
 
 
 def cluster_nodes(cfg: ClusterConfig) -> list[NodeSpec]:
+    """The declared nodes. A cluster file must hold a non-empty `nodes:` list and nothing else: an
+    empty or misspelt one would otherwise mean "no cluster" and the declared memory be ignored."""
     if not cfg.file:
         return cfg.nodes
-    path = Path(cfg.file)
+    return read_cluster_file(cfg.file)
+
+
+def read_cluster_file(file: str | Path) -> list[NodeSpec]:
+    path = Path(file)
     if not path.is_file():
-        raise ConfigError(f"cluster.file not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+        raise ConfigError(f"cluster file not found: {path}")
     try:
-        return ClusterConfig(nodes=raw.get("nodes", [])).nodes
-    except Exception as err:  # pydantic ValidationError, reported with the file's name
-        raise ConfigError(f"{path}: invalid cluster description: {err}") from None
+        text = path.read_text(encoding="utf-8")
+        raw = yaml.safe_load(text)
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_error(err)}") from None
+    blank = blank_values(text)
+    if blank:
+        raise ConfigError(f"{path}:{blank[0][1]}: {blank[0][0]} has no value; write the value or remove the key")
+    if raw is None:
+        raise ConfigError(f"{path}: the cluster file is empty; it needs `nodes:`, a list of nodes with their devices")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping with `nodes:` (got a {type(raw).__name__})")
+    if "nodes" not in raw:
+        found = ", ".join(map(str, raw)) or "nothing"
+        raise ConfigError(f"{path}: no `nodes:` key (found: {found}); a cluster file lists its nodes under `nodes:`")
+    extra = [str(k) for k in raw if k != "nodes"]
+    if extra:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(extra)}; a cluster file holds only `nodes:`")
+    if not isinstance(raw["nodes"], list) or not raw["nodes"]:
+        raise ConfigError(f"{path}: `nodes:` must be a non-empty list of nodes (got {raw['nodes']!r})")
+    return validate_file(_ClusterFile, raw, text, path).nodes
+
+
+class _ClusterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    nodes: list[NodeSpec]
+
+
+def declared_devices(nodes: list[NodeSpec]) -> int:
+    return sum(d.count for node in nodes for d in node.devices)
+
+
+def check_launch(cfg: ClusterConfig, world_size: int, layout: list[tuple[int, int]] | None = None) -> None:
+    """The launch against the declaration, before any collective, the same on every rank: as many
+    ranks as declared devices, fixed assignments one per rank, and (given every rank's (node rank,
+    local rank)) each node launched with as many ranks as it declares devices."""
+    if world_size <= 1:
+        return
+    if cfg.balance == "fixed" and len(cfg.assignments) != world_size:
+        raise ConfigError(f"cluster.assignments has {len(cfg.assignments)} entries for {world_size} ranks; give one per rank")
+    nodes = cluster_nodes(cfg)
+    if not nodes:
+        return
+    where = cfg.file or "cluster.nodes"
+    n = declared_devices(nodes)
+    if n != world_size:
+        raise ConfigError(f"{where} declares {n} device(s) on {len(nodes)} node(s) but {world_size} ranks were "
+                          f"launched; launch one rank per declared device (torchrun --nnodes / --nproc-per-node)")
+    if layout is None:
+        return
+    for node_rank in sorted({nr for nr, _ in layout}):
+        launched = sum(1 for nr, _ in layout if nr == node_rank)
+        if node_rank >= len(nodes):
+            raise ConfigError(f"{where} describes {len(nodes)} node(s) but ranks run on node {node_rank}")
+        want = sum(d.count for d in nodes[node_rank].devices)
+        if launched != want:
+            raise ConfigError(f"{where}: node {node_rank} ({nodes[node_rank].host}) declares {want} device(s) but "
+                              f"{launched} rank(s) were launched there (check --nproc-per-node)")
 
 
 def rank_device(cfg: ClusterConfig, ctx: DistContext) -> DeviceSpec | None:
@@ -44,17 +106,31 @@ def rank_device(cfg: ClusterConfig, ctx: DistContext) -> DeviceSpec | None:
     return devices[ctx.local_rank]
 
 
+# Datasheets print nominal sizes; the driver reports less (a V100 "16 GB" shows 15.8 GiB, a T4
+# "16 GB" 14.6 GiB after ECC): declared figures up to this far above the reported one are taken as
+# that card's datasheet figure.
+DATASHEET_SLACK = 0.12
+
+
+def usable_memory(declared_bytes: float | None, reported_bytes: float | None, name: str) -> float | None:
+    """What a rank may plan for: the smaller of what was declared and what the device reports; a
+    declaration far above the device's is a mistake (the wrong card, or MB for GB)."""
+    if reported_bytes is None:
+        return declared_bytes
+    if declared_bytes is None:
+        return reported_bytes
+    if declared_bytes > reported_bytes * (1 + DATASHEET_SLACK):
+        raise ConfigError(f"cluster: {name} is declared with memory_gb={declared_bytes / 2**30:g} (GiB) but reports "
+                          f"{reported_bytes / 2**30:.1f} GiB; declare at most its datasheet size")
+    return min(declared_bytes, reported_bytes)
+
+
 def device_memory_bytes(spec: DeviceSpec | None, device: torch.device) -> float | None:
     """Usable memory: the declared figure, capped by what a GPU really has; None = unbounded."""
     declared = spec.memory_gb * 2**30 if spec and spec.memory_gb else None
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        if declared is not None and declared > total:
-            raise ConfigError(
-                f"cluster: device {torch.cuda.get_device_name(device)} is declared with "
-                f"{spec.memory_gb:g} GB but has {total / 2**30:.1f} GiB"
-            )
-        return declared or total
+        return usable_memory(declared, total, torch.cuda.get_device_name(device))
     return declared
 
 

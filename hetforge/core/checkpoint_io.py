@@ -4,13 +4,15 @@ Layout: `ROOT/step_00000100/` with any files its writer puts there and last `man
 and SHA-256 of every file). A checkpoint is written into a temporary directory next to it, every
 file fsynced, then renamed into place: a crash or a full disk mid-write leaves the previous
 checkpoint untouched, and the half-written one is removed (at once when the write fails, on the
-next start when the writer was killed). Readers try checkpoints newest first and skip any whose
+next start when the writer was killed: a writer holds a lock on its temporary directory, so one
+nobody holds is a dead writer's, from whatever host or PID). Readers try checkpoints newest first and skip any whose
 files do not match the manifest. This module knows files, not models: what goes into the
 directory is the writer's (`hetforge.train.checkpoint`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -68,16 +70,47 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _lock_dir(path: Path, blocking: bool) -> int | None:
+    """An exclusive flock on the directory itself: held by its writer for the whole write, and
+    released by the kernel however the writer ends (a kill -9 included), so a directory nobody
+    holds is a dead writer's whatever its PID became since. None where the file system has no
+    flock; raises BlockingIOError when a live writer holds it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _writer_is_gone(path: Path, host: str, pid: int) -> bool:
+    try:
+        fd = _lock_dir(path, blocking=False)
+    except BlockingIOError:
+        return False  # a live writer (this run's or another's) holds it
+    except OSError:  # vanished meanwhile
+        return False
+    if fd is not None:
+        os.close(fd)
+        return True
+    # no flock here: judge by the PID, on this host only
+    return host == socket.gethostname() and (pid == os.getpid() or not _alive(pid))
+
+
 def remove_stale_temps(root: str | Path) -> list[Path]:
-    """Remove the temporary directories of writers that died mid-write (any PID, this host; a
-    temporary directory of a live process is being written and stays). Returns what was removed."""
+    """Remove the temporary directories of writers that died mid-write, from any host and PID; one
+    a live process is writing stays (its writer holds a lock on it). Returns what was removed."""
     root = Path(root)
     if not root.is_dir():
         return []
-    host, removed = socket.gethostname(), []
-    for p in root.iterdir():
+    removed = []
+    for p in sorted(root.iterdir()):
         m = _TEMP.match(p.name)
-        if m and m["host"] == host and (int(m["pid"]) == os.getpid() or not _alive(int(m["pid"]))):
+        if m and p.is_dir() and _writer_is_gone(p, m["host"], int(m["pid"])):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
@@ -102,8 +135,10 @@ def publish(root: str | Path, step: int, write: Callable[[Path], None], keep: in
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = step_dir(root, step), _temp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
+    lock = None
     try:
         tmp.mkdir()
+        lock = _lock_dir(tmp, blocking=True)  # held until published: the directory is being written
         write(tmp)
         write_manifest(tmp, step, manifest_extra)
         if final.exists():  # re-saving the same step (e.g. after resume): replace it
@@ -112,7 +147,10 @@ def publish(root: str | Path, step: int, write: Callable[[Path], None], keep: in
         fsync(root)
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"could not write checkpoint {final}: {err}") from err
+        raise CheckpointError(f"could not write checkpoint {final}: {' '.join(str(err).split())}") from err
+    finally:
+        if lock is not None:
+            os.close(lock)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -30,8 +30,11 @@ def parse_size(text: str | float | int) -> float:
     return value
 
 
-def format_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+def format_bytes(n: float, round_up: bool = False) -> str:
+    """Two decimals in the largest binary unit; `round_up` for a minimum, so that the figure
+    printed, passed back, is never below what it stands for."""
+    for unit, scale in (("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+            value = math.ceil(n / scale * 100) / 100 if round_up else n / scale
+            return f"{value:.2f} {unit}"
+    return f"{math.ceil(n) if round_up else n:.0f} B"

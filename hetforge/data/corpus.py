@@ -9,8 +9,10 @@ what went into the shards.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import os
 import re
 import unicodedata
 from collections import Counter
@@ -47,6 +49,9 @@ class CorpusReport:
     docs_dropped: Counter = field(default_factory=Counter)  # reason -> count
     docs_kept: int = 0
     chars_kept: int = 0
+    files_transcoded: Counter = field(default_factory=Counter)  # encoding read from a BOM -> files
+    nul_bytes_removed: int = 0  # NUL bytes inside otherwise text files (past the binary sniff)
+    files_with_nul: int = 0
 
     def skip_file(self, path: Path, reason: str) -> None:
         self.files_skipped[reason] += 1
@@ -63,6 +68,9 @@ class CorpusReport:
             "docs_dropped": dict(self.docs_dropped),
             "docs_kept": self.docs_kept,
             "chars_kept": self.chars_kept,
+            "files_transcoded": dict(self.files_transcoded),
+            "nul_bytes_removed": self.nul_bytes_removed,
+            "files_with_nul": self.files_with_nul,
         }
 
 
@@ -102,7 +110,14 @@ def aclsum_paper_text(paper: dict) -> str:
     return "\n\n".join(parts)
 
 
+# Longest first: a UTF-32-LE BOM begins with the UTF-16-LE one.
+_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
+         (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
 def _read_bytes_as_text(path: Path, report: CorpusReport) -> str | None:
+    """UTF-8, or UTF-16 / UTF-32 where a byte-order mark says so (what Windows tools write). A file
+    with NUL bytes in its first 8 KiB is binary; NUL bytes further in are dropped and counted."""
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -111,11 +126,25 @@ def _read_bytes_as_text(path: Path, report: CorpusReport) -> str | None:
     if not raw:
         report.skip_file(path, "empty file")
         return None
+    encoding = next((enc for bom, enc in _BOMS if raw.startswith(bom)), None)
+    if encoding not in (None, "utf-8-sig"):
+        try:
+            text = raw.decode(encoding)
+        except UnicodeDecodeError:
+            report.skip_file(path, f"not {encoding.upper()} (though it starts with its byte-order mark)")
+            return None
+        report.files_transcoded[encoding.upper()] += 1
+        return text
     if b"\x00" in raw[:8192]:
         report.skip_file(path, "binary file")
         return None
+    nul = raw.count(b"\x00")
+    if nul:
+        report.nul_bytes_removed += nul
+        report.files_with_nul += 1
+        raw = raw.replace(b"\x00", b"")
     try:
-        return raw.decode("utf-8")
+        return raw.decode(encoding or "utf-8")
     except UnicodeDecodeError:
         report.skip_file(path, "not UTF-8")
         return None
@@ -187,7 +216,32 @@ def _format_of(path: Path, declared: str) -> str | None:
     return None
 
 
-def source_files(source: SourceConfig) -> list[Path]:
+def _walk(root: Path, report: CorpusReport | None) -> list[Path]:
+    """Every file under `root`, following symlinks, each directory once: a link back to a directory
+    already walked (a loop) is skipped and counted, like a broken link."""
+    seen: set[tuple[int, int]] = set()
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            if report is not None:
+                report.skip_file(Path(dirpath), "symlink loop (directory already read)")
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            p = Path(dirpath) / name
+            if name.startswith("."):
+                continue
+            if p.is_file():
+                files.append(p)
+            elif report is not None:
+                report.skip_file(p, "broken symlink" if p.is_symlink() else "not a regular file")
+    return sorted(files)
+
+
+def source_files(source: SourceConfig, report: CorpusReport | None = None) -> list[Path]:
     """The files a source names, sorted so that the corpus order never depends on the file system."""
     if source.type == "aclsum":
         excluded: set[str] = set()
@@ -200,12 +254,12 @@ def source_files(source: SourceConfig) -> list[Path]:
         raise CorpusError(f"data.sources: path does not exist: {path}")
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return _walk(path, report)
 
 
 def iter_documents(sources: list[SourceConfig], report: CorpusReport) -> Iterator[Document]:
     for source in sources:
-        for path in source_files(source):
+        for path in source_files(source, report):
             fmt = "jsonl" if source.type == "aclsum" else _format_of(path, source.format)
             if fmt is None:
                 report.skip_file(path, f"unsupported file type ({path.suffix or 'no suffix'})")

@@ -102,6 +102,8 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True, verbose
     for reason, count in report.files_skipped.items():
         examples = ", ".join(report.skipped_examples.get(reason, []))
         warn(f"skipped {count} file(s): {reason} (e.g. {examples})")
+    if report.nul_bytes_removed:
+        warn(f"removed {report.nul_bytes_removed} NUL byte(s) from {report.files_with_nul} text file(s)")
     train_idx, val_idx = _split_documents(len(docs), cfg.val_fraction, cfg.seed)
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
@@ -171,6 +173,10 @@ def _print_summary(out_dir: Path, meta: dict, seconds: float) -> None:
     table.add_row("files read", str(r["files_read"]))
     for reason, n in r["files_skipped"].items():
         table.add_row(f"files skipped: {reason}", str(n))
+    for encoding, n in r.get("files_transcoded", {}).items():
+        table.add_row(f"files read as {encoding} (byte-order mark)", str(n))
+    if r.get("nul_bytes_removed"):
+        table.add_row("NUL bytes removed (files)", f"{r['nul_bytes_removed']} ({r['files_with_nul']})")
     table.add_row("documents read", str(r["docs_read"]))
     for reason, n in r["docs_dropped"].items():
         table.add_row(f"documents dropped: {reason}", str(n))

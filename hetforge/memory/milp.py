@@ -11,6 +11,7 @@ Memory is in MiB and time in ms to keep the coefficients near 1.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 
 import highspy
@@ -26,6 +27,9 @@ MIB = 2.0**20
 MS = 1e3
 TIE_MS_PER_MIB = 1e-5
 TIE_MS_PER_REGION = 1e-5
+
+
+MILP_MARGIN_BYTES = 64.0
 
 
 class PlanError(HetforgeError, ValueError):
@@ -279,24 +283,29 @@ def solve(
     if simulate(profile, keep).peak_bytes <= budget:  # nothing is faster than keeping everything
         keep.solve = {"status": "keep-all fits", "seconds": 0.0, "gap": 0.0, "variables": 0, "constraints": 0}
         return keep
-    start = feasible_plan(profile, menu, budget)
+    start = feasible_plan(profile, menu, budget)  # simulated: within the budget
     if start is None:
-        need = minimum_budget(profile, menu)
+        need = math.ceil(minimum_budget(profile, menu))
         raise PlanError(
             f"no {strategy} plan fits a budget of {format_bytes(budget)}: the smallest feasible budget for this "
-            f"model, micro-batch and menu is {format_bytes(need)} ({need:.0f} bytes)"
+            f"model, micro-batch and menu is {need} bytes ({format_bytes(need, round_up=True)})"
         )
-    h, terms = _build(profile, menu, budget)
+    # HiGHS works in MiB and accepts rows a feasibility tolerance (~1e-6 MiB) over: the model gets
+    # a few bytes less than the budget, and what it returns is simulated before it is trusted.
+    h, terms = _build(profile, menu, budget - MILP_MARGIN_BYTES)
     # A feasible start (the chain search's): branch and bound prunes against it from the first node.
     pairs = [pv for t, o in zip(terms, start.options) for pv in t["assign"](o)]
     h.setSolution(len(pairs), np.array([v.index for v, _ in pairs], dtype=np.int32),
                   np.array([x for _, x in pairs], dtype=np.float64))
     status, secs, mip_gap = _run(h, time_limit_s, gap)
-    if not _has_solution(h):  # cannot happen with a valid start; kept as a guard
-        raise RuntimeError(f"HiGHS returned no plan ({status}) although a feasible one exists")
-    plan = Plan([t["extract"]() for t in terms], strategy)
-    plan.solve = {"status": status, "seconds": secs, "gap": mip_gap, "variables": h.getNumCol(),
-                  "constraints": h.getNumRow()}
+    info = {"status": status, "seconds": secs, "gap": mip_gap, "variables": h.getNumCol(),
+            "constraints": h.getNumRow()}
+    plan = Plan([t["extract"]() for t in terms], strategy) if _has_solution(h) else None
+    if plan is None or simulate(profile, plan).peak_bytes > budget:
+        # within the margin of the minimum (or rounded over): the chain search's plan, which fits
+        plan = Plan(list(start.options), strategy)
+        info["status"] = f"{status}; the search's feasible plan (the solver's was not within the budget)"
+    plan.solve = info
     return plan
 
 

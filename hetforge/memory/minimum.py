@@ -76,10 +76,26 @@ def _menus(profile: ModelProfile, menu) -> list[tuple[list[str], np.ndarray]]:
 
 
 def feasible_plan(profile: ModelProfile, menu, budget: float) -> Plan | None:
-    """Some plan whose peak is within `budget` (the one holding least), or None if none is."""
-    names = _feasible(_menus(profile, menu), profile.head_peak, budget - profile.base_bytes,
-                      profile.overlap)
-    return Plan(names, "feasible") if names is not None else None
+    """Some plan whose peak, as `plan.simulate` computes it, is within `budget` (the one holding
+    least), or None if none is.
+
+    The chain search adds the same bytes in another order than the simulator, so the two can
+    differ in the last bits: the search runs with a hair of slack (a plan at exactly the minimum
+    must be found when that minimum is passed back) and its answer is then simulated; one over
+    the budget by rounding sends the search again with the bound lowered by the excess."""
+    menus = _menus(profile, menu)
+    bound = budget - profile.base_bytes
+    slack = 1e-9 * max(abs(budget), 1.0)
+    for _ in range(4):
+        names = _feasible(menus, profile.head_peak, bound + slack, profile.overlap)
+        if names is None:
+            return None
+        plan = Plan(names, "feasible")
+        excess = simulate(profile, plan).peak_bytes - budget
+        if excess <= 0:
+            return plan
+        bound -= excess + slack
+    return None
 
 
 def minimum_peak(profile: ModelProfile, menu) -> tuple[float, Plan]:

@@ -55,12 +55,19 @@ from hetforge.cluster.dist import (
     barrier,
     broadcast_object,
     init_distributed,
+    is_comm_failure,
+    launch_world_size,
+    peer_failure,
+    post,
+    post_error,
     shutdown,
+    wait_for_main,
 )
-from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
+from hetforge.cluster.spec import Slowdown, check_launch, device_memory_bytes, device_name, rank_device
 from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.checkpoint_io import rng_state
 from hetforge.core.console import console, make_progress, warn
+from hetforge.core.errors import HetforgeError
 from hetforge.core.hardware import detect, run_precision
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
@@ -214,22 +221,43 @@ def train(
 ) -> TrainResult:
     """Train (or, with plan_only, stop once the batch balance is made: `hetforge balance`)."""
     device = resolve_device(cfg.train.device)
+    check_launch(cfg.cluster, launch_world_size())  # before any connection: every rank fails alike
     ctx = init_distributed(device.type, cfg.cluster.rendezvous_timeout_s, cfg.cluster.collective_timeout_s)
     if ctx.distributed and device.type == "cuda":
         device = torch.device("cuda", ctx.local_rank)
+    trainer = None
     try:
+        if ctx.distributed:
+            check_launch(cfg.cluster, ctx.world_size, all_gather_object(ctx, (ctx.node_rank, ctx.local_rank)))
         trainer = Trainer(cfg, ctx, device)
         trainer.setup(resume)
         if plan_only:
             plan = trainer.balance()
+            trainer.write_run_config()
             return TrainResult(trainer.run_dir, trainer.state.step, {}, None, 0.0, 0.0, 0.0, 0.0,
                                trainer.state.last_checkpoint,
                                extra={"plan": plan.to_dict(), "rank": ctx.rank, "world_size": ctx.world_size})
         trainer.plan()
         return trainer.train(stop_after)
+    except HetforgeError as err:
+        post_error(ctx, str(err))  # the other ranks, losing this one, say why
+        raise
+    except Exception as err:
+        if ctx.distributed and is_comm_failure(err):
+            raise peer_failure(ctx, err, trainer.state.step if trainer else 0, _resume_hint(trainer)) from None
+        raise
     finally:
         if ctx.distributed:
-            shutdown()
+            shutdown(ctx)
+
+
+def _resume_hint(trainer: "Trainer | None") -> str:
+    import sys
+
+    command = "hetforge " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "hetforge train CONFIG"
+    last = trainer.state.last_checkpoint if trainer is not None else None
+    start = f"from {last}" if last is not None else "from the start (no checkpoint yet)"
+    return f"relaunch the same job (torchrun ... {command}) to resume {start}"
 
 
 def _sha256_file(path: Path) -> str:
@@ -239,17 +267,16 @@ def _sha256_file(path: Path) -> str:
 class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device):
         self.cfg, self.ctx, self.device = cfg, ctx, device
+        self.cfg_as_given = cfg
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.state = TrainState()
+        self._checkpoints_written = 0
         self.say = console.print if ctx.is_main else (lambda *a, **k: None)
 
     # ------------------------------------------------------------------ setup
     def setup(self, resume: str) -> None:
         cfg, ctx = self.cfg, self.ctx
-        if ctx.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         # One precision for the whole run, set by its weakest device, stated once.
         caps = all_gather_object(ctx, detect(self.device))
         chosen, why = run_precision(caps) if cfg.train.precision == "auto" else (cfg.train.precision, "as configured")
@@ -269,10 +296,14 @@ class Trainer:
             init = ckpt_resolve(cfg.model.init_from)
             init_state = read_state(init)
 
-        # data: rank 0 prepares (a no-op when cached), the others then open the same shards
+        # data: rank 0 prepares (a no-op when cached), the others then open the same shards; they
+        # wait through the store, for as long as rank 0 is alive (preparing may take hours)
         if ctx.is_main:
             data = prepare(cfg.data, progress=tc.progress)
-        barrier(ctx)
+            if ctx.distributed:
+                post(ctx, "prepared", "ok")
+        else:
+            wait_for_main(ctx, "prepared", "preparing the data")
         if not ctx.is_main:
             data = prepare(cfg.data, progress=False, verbose=False)
         self.data: PrepareResult = data
@@ -549,13 +580,19 @@ class Trainer:
             return None
         rngs = all_gather_object(ctx, rng_state())
         path, error = None, None
+        self._checkpoints_written += 1
+        key = f"checkpoint/{self._checkpoints_written}"  # the others wait through the store: a long write is no hang
         if ctx.is_main:
             try:
                 path = save_checkpoint(self.ckpt_root, self.state.step, self.model, self.components,
                                        self.checkpoint_state(), tc.keep_checkpoints, rngs, self.tokenizer_path)
             except CheckpointError as err:
                 error = str(err)
-        path, error = broadcast_object(ctx, (path, error))
+            if ctx.distributed:
+                post(ctx, key, json.dumps([str(path) if path else None, error]))
+        elif ctx.distributed:
+            written, error = json.loads(wait_for_main(ctx, key, "writing a checkpoint"))
+            path = Path(written) if written else None
         if error is not None:
             if final:
                 raise CheckpointError(error)
@@ -564,8 +601,16 @@ class Trainer:
         return path
 
     # ------------------------------------------------------------------ train
+    def write_run_config(self) -> None:
+        """The config as run, written only once everything it says has been checked: a mistaken
+        command must not overwrite the record of the run it was pointed at."""
+        if self.ctx.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(self.cfg_as_given))
+
     def train(self, stop_after: int | None = None) -> TrainResult:
         st, tc, ctx = self.state, self.cfg.train, self.ctx
+        self.write_run_config()
         self.model.train()
         with StopSignals(announce=ctx.is_main) as stop, \
                 make_progress(TextColumn("{task.fields[info]}"), enabled=tc.progress and ctx.is_main) as bar:
