@@ -22,8 +22,16 @@ def _add_config(p: argparse.ArgumentParser) -> None:
                    help="override a config field, e.g. --set train.steps=50 (repeatable)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line like every other hetforge error."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {' '.join(message.split())} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hetforge", description=__doc__)
+    ap = _Parser(prog="hetforge", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="clean corpus, train tokenizer, write token shards")
@@ -656,8 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except HetforgeError as err:
-        print(f"error: {err}", file=sys.stderr)
+    except HetforgeError as err:  # the user's to fix: one line; anything else keeps its traceback
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
 

@@ -16,11 +16,13 @@ from rich.progress import (
 
 # Logs and CI have no terminal width: give tables room instead of rich's 80 columns.
 console = Console(stderr=False, highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 140)
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/yellow] {message}")
+    """One line (never wrapped: a log is grepped), the message taken literally (no markup)."""
+    err_console.print("[yellow]warning:[/yellow] ", end="")
+    err_console.print(" ".join(str(message).split()), markup=False)
 
 
 def make_progress(*extra_columns, enabled: bool = True) -> Progress:

@@ -76,11 +76,16 @@ def _is_complete(out_dir: Path, digest: str) -> dict | None:
     return meta
 
 
-def _split_documents(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _split_documents(n: int, val_fraction: float, seed: int, report=None) -> tuple[np.ndarray, np.ndarray]:
     if n < 2:
+        why = ""
+        if report is not None and (report.files_skipped or report.docs_dropped):
+            parts = [f"{k} file(s) {r} (e.g. {report.skipped_examples[r][0]})" for r, k in report.files_skipped.items()]
+            parts += [f"{k} document(s) {r}" for r, k in report.docs_dropped.items()]
+            why = f" (skipped: {'; '.join(parts)})"
         raise PrepareError(
             f"the corpus has {n} usable document(s) after cleaning; at least 2 are needed "
-            "(one for training, one for validation). Check data.sources and data.min_chars."
+            f"(one for training, one for validation){why}. Check data.sources and data.min_chars."
         )
     perm = np.random.default_rng(seed).permutation(n)
     n_val = min(max(1, round(n * val_fraction)), n - 1)
@@ -104,7 +109,7 @@ def prepare(cfg: DataConfig, force: bool = False, progress: bool = True, verbose
         warn(f"skipped {count} file(s): {reason} (e.g. {examples})")
     if report.nul_bytes_removed:
         warn(f"removed {report.nul_bytes_removed} NUL byte(s) from {report.files_with_nul} text file(s)")
-    train_idx, val_idx = _split_documents(len(docs), cfg.val_fraction, cfg.seed)
+    train_idx, val_idx = _split_documents(len(docs), cfg.val_fraction, cfg.seed, report)
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -53,6 +53,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def tokenizer_hash(path: str | Path) -> str:
+    if not Path(path).is_file():
+        raise TokenizerError(f"data.tokenizer.path: tokenizer file not found: {path}")
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 

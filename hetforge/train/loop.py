@@ -244,6 +244,10 @@ def train(
         raise
     except Exception as err:
         if ctx.distributed and is_comm_failure(err):
+            # The launcher, seeing a worker die, sends the others SIGTERM at once: it must not cut
+            # short the few seconds it takes to find out which rank went and to say so.
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, lambda *_: None)
             raise peer_failure(ctx, err, trainer.state.step if trainer else 0, _resume_hint(trainer)) from None
         raise
     finally:
