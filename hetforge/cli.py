@@ -232,7 +232,8 @@ def cmd_plan(args) -> int:
         if card is None:
             raise ConfigError(f"--card {args.card!r}: not in the device table ({', '.join(d.name for d in DEVICES)})")
         budget = resolve_budget(mem, usable_bytes(card)) if mem.budget not in (None, "auto") else usable_bytes(card)
-        prof = analytic_profile(model_cfg, micro, seq, card, cfg.train.optimizer, PROFILE_CACHE)
+        prof = analytic_profile(model_cfg, micro, seq, card, cfg.train.optimizer, PROFILE_CACHE,
+                                pad_head_dim=cfg.model.pad_head_dim)
         precision, device = prof.meta["precision"], f"{card.name} (estimated; attention: {prof.meta['attention']})"
         console.print(f"estimating {card.name} for {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch "
                       f"{micro} x {seq} tokens, {precision}, attention {prof.meta['attention']}, from this machine's profile ...")

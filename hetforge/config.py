@@ -76,6 +76,9 @@ class ModelConfig(_Strict):
     norm_eps: float = Field(1e-5, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_std: float = Field(0.02, gt=0)
+    # The head size attention runs at: auto pads q, k, v with zero channels to the next multiple of
+    # 8 where that lets a fused kernel run (exact; FORGE-s: 86 -> 88 on a GPU), off never, or a size.
+    pad_head_dim: Literal["auto", "off"] | int = "auto"
     # Start from these weights (a hetforge checkpoint or run directory, e.g. one `hetforge export
     # --from hf` wrote): continued pre-training. Its model shape and tokenizer are used.
     init_from: str | None = None
@@ -96,6 +99,9 @@ class ModelConfig(_Strict):
                 raise ValueError(f"`{key}` is required when no preset is given")
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if isinstance(self.pad_head_dim, int) and self.pad_head_dim < self.d_model // max(self.n_heads, 1):
+            raise ValueError(f"model.pad_head_dim={self.pad_head_dim} is smaller than the head size "
+                             f"{self.d_model // self.n_heads} (d_model / n_heads)")
         if self.d_model % self.n_heads != 0:
             raise ValueError(
                 f"model.n_heads must divide model.d_model "

@@ -135,6 +135,24 @@ def sdpa_backend(card: DeviceInfo, precision: str, head_dim: int) -> str:
     return "math"
 
 
+def padded_head_dim(card, precision: str, head_dim: int, mode: str | int = "auto") -> int:
+    """The head size attention runs at (`model.pad_head_dim`). Zero channels added to q, k and v
+    change no score and no output (the softmax scale stays 1/sqrt(head_dim)); where the true size
+    sends PyTorch to the math kernel, which keeps a (sequence x sequence) matrix per head, the next
+    multiple of 8 lets a fused one run. `auto` pads only where that makes a fused kernel apply
+    (FORGE-s: 86 -> 88); never on a CPU, whose kernel takes any size."""
+    if mode == "off":
+        return head_dim
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        if mode < head_dim:
+            raise ValueError(f"model.pad_head_dim={mode} is smaller than the head size {head_dim}")
+        return mode
+    if getattr(card, "kind", "cuda") == "cpu" or sdpa_backend(card, precision, head_dim) != "math":
+        return head_dim
+    padded = -(-head_dim // 8) * 8
+    return padded if sdpa_backend(card, precision, padded) != "math" else head_dim
+
+
 def _key(name: str) -> str:
     key = re.sub(r"[^a-z0-9]", "", name.lower())
     for word in ("nvidia", "geforce", "tesla", "gtx", "rtx", "amd", "instinct"):

@@ -4,8 +4,9 @@ The block is the real one, measured on this machine at micro-batch 1 and two sho
 16-bit autocast (the dtypes a GPU's autocast gives) or fp32. Each figure is a constant (the 16-bit
 weight copies autocast keeps, parameter-sized gradient buffers) plus a part that grows with micro-
 batch x sequence; the two measurements give both, and the figure is taken at the target. Where the
-card's attention kernel is PyTorch's math fallback (`cluster.devices.sdpa_backend`: no flash or
-memory-efficient kernel for that card, dtype or head size), the attention probabilities, micro-batch
+card's attention kernel is PyTorch's math fallback (`core.hardware.sdpa_backend`: no flash or
+memory-efficient kernel for that card, dtype or head size, after the padding a run would apply,
+`core.hardware.padded_head_dim`), the attention probabilities, micro-batch
 x heads x sequence^2, are added to what the attention keeps, and the scores to the block's peaks.
 Times come from FLOPs at an assumed fraction of the card's datasheet peak, shared out over the units
 as measured; the host link is the card's PCIe generation. An estimate, to be checked against a real
@@ -18,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetforge.core.hardware import run_precision
-from hetforge.core.hardware import DeviceInfo, sdpa_backend
+from hetforge.core.hardware import DeviceInfo, padded_head_dim, sdpa_backend
 from hetforge.memory.plan import BlockProfile, ModelProfile
 from hetforge.memory.profile import profile_model
 from hetforge.model.accounting import block_forward_flops, block_matmul_params, head_forward_flops
@@ -58,15 +59,17 @@ def measure_proxies(cfg: GPTNeoXConfig, precision: str, optimizer: str = "adamw"
 
 def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: DeviceInfo, optimizer: str = "adamw",
                      cache_dir: Path | None = None, proxy_seq: int = PROXY_SEQ,
-                     efficiency: float = EFFICIENCY) -> ModelProfile:
+                     efficiency: float = EFFICIENCY, pad_head_dim: str | int = "auto") -> ModelProfile:
     lo, hi = measure_proxies(cfg, proxy_precision(card), optimizer, cache_dir, proxy_seq)
-    return profile_from_proxies(cfg, micro_batch, seq, card, lo, hi, efficiency)
+    return profile_from_proxies(cfg, micro_batch, seq, card, lo, hi, efficiency, pad_head_dim=pad_head_dim)
 
 
 def profile_from_proxies(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: DeviceInfo, lo: ModelProfile,
-                         hi: ModelProfile, efficiency: float = EFFICIENCY, precision: str | None = None) -> ModelProfile:
+                         hi: ModelProfile, efficiency: float = EFFICIENCY, precision: str | None = None,
+                         pad_head_dim: str | int = "auto") -> ModelProfile:
     """The deciding half, a pure function of the two recorded proxies and the card's datasheet, in
-    the card's own precision or the run's (`precision`: a mixed cluster trains in one)."""
+    the card's own precision or the run's (`precision`: a mixed cluster trains in one). The head
+    size is padded as a run on that card would (`model.pad_head_dim`), which decides the kernel."""
     precision = precision or card_precision(card)
     proxy_seq = lo.meta["seq_len"]
     tokens = micro_batch * seq
@@ -75,7 +78,8 @@ def profile_from_proxies(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: D
         per_token = (b - a) / proxy_seq
         return max(a + per_token * (tokens - proxy_seq), 0.0)
 
-    backend = sdpa_backend(card, precision, cfg.head_dim)
+    head = padded_head_dim(card, precision, cfg.head_dim, pad_head_dim)
+    backend = sdpa_backend(card, precision, head)
     elt = 4 if precision == "fp32" else 2
     probs = micro_batch * cfg.n_heads * seq * seq * elt if backend == "math" else 0.0
 
@@ -103,7 +107,7 @@ def profile_from_proxies(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: D
         blocks=[block] * cfg.n_layers, static=hi.static, head_fwd_s=head_fwd, head_bwd_s=2 * head_fwd,
         head_held=at(lo.head_held, hi.head_held), head_peak=at(lo.head_peak, hi.head_peak),
         link_bytes_per_s=card.link_gbps * 1e9, shared_bytes=float(2 * seq * cfg.rotary_dims * 4), overlap=True,
-        meta={"analytic": True, "card": card.name, "precision": precision, "attention": backend,
+        meta={"analytic": True, "card": card.name, "precision": precision, "attention": backend, "head_dim": head,
               "micro_batch": micro_batch, "seq_len": seq, "n_layers": cfg.n_layers, "d_model": cfg.d_model,
               "efficiency": efficiency, "proxy_seq": proxy_seq,
               "host_step_s_per_param": hi.meta["host_step_s_per_param"]},  # the host is the one measured here

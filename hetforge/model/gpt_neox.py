@@ -97,6 +97,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.rotary_dims = cfg.n_heads, cfg.head_dim, cfg.rotary_dims
         self.dropout = cfg.dropout
+        self.padded_head_dim = cfg.head_dim  # set from outside: `set_head_padding`
         self.query_key_value = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.dense = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -107,10 +108,26 @@ class Attention(nn.Module):
         q, k, v = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
         q = apply_rotary(q, cos, sin, self.rotary_dims)
         k = apply_rotary(k, cos, sin, self.rotary_dims)
+        pad = self.padded_head_dim - self.head_dim
+        if pad > 0:  # zero channels: same scores, same outputs; lets a fused kernel take the head size
+            q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            scale=1.0 / math.sqrt(self.head_dim) if pad > 0 else None,
         )
+        if pad > 0:
+            y = y[..., : self.head_dim]
         return self.dense(y.transpose(1, 2).reshape(b, s, d))
+
+
+def set_head_padding(model: nn.Module, padded_head_dim: int) -> None:
+    """Run every attention of `model` at this head size (see `core.hardware.padded_head_dim`);
+    parameters and results are unchanged, so checkpoints and exports do not know of it."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            if padded_head_dim < m.head_dim:
+                raise ValueError(f"padded head size {padded_head_dim} < head size {m.head_dim}")
+            m.padded_head_dim = padded_head_dim
 
 
 class MLP(nn.Module):

@@ -68,7 +68,7 @@ from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.checkpoint_io import rng_state
 from hetforge.core.console import console, make_progress, warn
 from hetforge.core.errors import HetforgeError
-from hetforge.core.hardware import detect, run_precision
+from hetforge.core.hardware import detect, padded_head_dim, run_precision
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
 from hetforge.core.sizes import format_bytes
@@ -80,7 +80,7 @@ from hetforge.memory.device_plan import plan_for_config
 from hetforge.memory.executor import apply_plan
 from hetforge.memory.verify import PlanCheck
 from hetforge.model.accounting import block_forward_flops, flops_per_token, matmul_params
-from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
+from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig, set_head_padding
 from hetforge.model.load import TOKENIZER
 from hetforge.scaling.accounting import PowerMeter, rank_power, write_report
 from hetforge.scaling.flops import measure_matmul_peak
@@ -330,6 +330,15 @@ class Trainer:
                                   f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
                                   f"{init / TOKENIZER}, and a new data.out_dir)")
         self.model = GPTNeoX(self.model_cfg).to(self.device)
+        head = self.model_cfg.head_dim
+        try:
+            padded = padded_head_dim(detect(self.device), self.precision.name, head, cfg.model.pad_head_dim)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if padded != head:
+            set_head_padding(self.model, padded)
+            self.say(f"attention: head size {head} run at {padded} (zero channels, exact) so that a fused "
+                     f"kernel takes it (model.pad_head_dim={cfg.model.pad_head_dim})")
         self.scaler = self.precision.grad_scaler()
 
         # resume (every rank reads the same checkpoint; it holds the global sample position). The
