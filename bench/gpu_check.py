@@ -8,7 +8,10 @@
    time, from the training loop's own check; and the analytic model of this card (what the legacy
    table is made from) against the profile measured on it;
 4. offload plans give keep-all's gradients (fp32, every option and mixed per-tensor decisions);
-5. fp16 with loss scaling against bf16: the loss after the same steps.
+5. FORGE-s attention (head size 86) padded to 88 against as is: forward + backward time and peak;
+6. the loop's per-rank compute timer (CUDA events, read without a sync) against a synchronised
+   wall clock;
+7. fp16 with loss scaling against bf16: the loss after the same steps.
 
 `--dry-run` runs the same steps on the CPU with tiny sizes, so the script is known to work before a
 GPU is lent. Last line: one JSON object with the figures (also in $OUT/results.json).
@@ -47,6 +50,7 @@ GPU = {
     "throughput": [("125m", 8, 20), ("forge-s", 4, 20)],  # preset, micro-batch, steps
     "seq": 2048, "vocab": 50304, "plan_model": ("125m", 8), "plan_steps": 5,
     "precision_steps": 200, "precision_model": ("125m", 8),
+    "padding_shape": (2064, 24, 4, 2048), "padding_repeats": 5,  # FORGE-s: head size 86
 }
 ANALYTIC: dict = {}
 
@@ -54,6 +58,7 @@ DRY = {  # the CPU has no fast fp16: its steps are few
     "throughput": [("tiny", 4, 6), ("small", 2, 3)],
     "seq": 64, "vocab": None, "plan_model": ("tiny", 2), "plan_steps": 5,
     "precision_steps": 8, "precision_model": ("tiny", 2),
+    "padding_shape": (60, 4, 2, 64), "padding_repeats": 2,  # head size 15
 }
 
 
@@ -175,6 +180,86 @@ def precisions(out: Path, spec: dict, device: str, peaks: dict) -> dict:
     return {**final, "relative_difference": rel, "steps": spec["precision_steps"]}
 
 
+def _timed(fn, device: str, repeats: int) -> tuple[float, float | None]:
+    """(median seconds of fn(), peak bytes allocated during one call or None on a CPU)."""
+    fn()  # warm-up (kernel selection, allocator)
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    peak = None
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        peak = torch.cuda.max_memory_allocated() - base
+    return statistics.median(times), peak
+
+
+def head_padding(spec: dict, device: str) -> dict:
+    """FORGE-s attention (head size 86) forward + backward at its padded size 88 against as is."""
+    from hetforge.model.gpt_neox import Attention, RotaryEmbedding
+
+    d, heads, micro, seq = spec["padding_shape"]
+    cfg = GPTNeoXConfig(n_layers=1, d_model=d, n_heads=heads, d_ff=4 * d, vocab_size=8)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    attn = Attention(cfg).to(device, dtype)
+    cos, sin = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base).cos_sin(seq, torch.device(device))
+    x = torch.randn(micro, seq, d, device=device, dtype=dtype, requires_grad=True)
+    rows = {}
+    for name, padded in (("unpadded", cfg.head_dim), ("padded", -(-cfg.head_dim // 8) * 8)):
+        attn.padded_head_dim = padded
+
+        def step():
+            attn(x, cos, sin).float().square().mean().backward()
+
+        seconds, peak = _timed(step, device, spec["padding_repeats"])
+        rows[name] = {"head_dim": padded, "seconds": seconds, "peak_bytes": peak}
+    speedup = rows["unpadded"]["seconds"] / rows["padded"]["seconds"]
+    print(f"head padding {cfg.head_dim} -> {rows['padded']['head_dim']} (d={d}, {heads} heads, {micro}x{seq}): "
+          f"{speedup:.2f}x faster, peak {rows['padded']['peak_bytes']} vs {rows['unpadded']['peak_bytes']} B", flush=True)
+    return {**rows, "speedup": speedup}
+
+
+def rank_timer(spec: dict, device: str) -> dict:
+    """The loop's per-rank timer (CUDA events on a GPU) against a synchronised wall clock."""
+    from hetforge.train.parallel import ComputeTimer
+
+    preset, micro = spec["plan_model"]
+    from hetforge.model.presets import PRESETS
+
+    shape = PRESETS[preset] if preset in PRESETS else GPTNeoXConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256,
+                                                                        vocab_size=512)
+    cfg = GPTNeoXConfig(**{**shape.to_dict(), "vocab_size": spec["vocab"] or 8192})
+    model = GPTNeoX(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab_size, (micro, spec["seq"] + 1), device=device)
+    timer = ComputeTimer(torch.device(device))
+    ratios = []
+    for i in range(6):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        timer.start()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss = F.cross_entropy(model(idx[:, :-1]).float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        timer.stop(synced=False)
+        measured = timer.step_seconds(wait=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        if i:  # the first step warms up
+            ratios.append(measured / wall)
+    print(f"per-rank timer / synchronised wall clock: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f})", flush=True)
+    return {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes")
@@ -199,6 +284,8 @@ def main() -> None:
     for key, run in (("throughput", lambda: throughput(out, spec, device, peaks)),
                      ("plans", lambda: plans(out, spec, device, "bf16")),
                      ("offload_gradients", lambda: offload_gradients(device)),
+                     ("head_padding", lambda: head_padding(spec, device)),
+                     ("rank_timer", lambda: rank_timer(spec, device)),
                      ("precision_losses", lambda: precisions(out, spec, device, peaks))):
         t = time.perf_counter()
         results[key] = run()
@@ -212,6 +299,8 @@ def main() -> None:
                       "forge_s_bf16_mfu": round(forge[0]["mfu"], 4) if forge else None,
                       "plan_peak_ratios": [round(r.get("activation_peak_ratio", float("nan")), 4) for r in results["plans"]],
                       "offload_grad_max_diff": results["offload_gradients"]["max_abs_diff"],
+                      "forge_s_padding_speedup": round(results["head_padding"]["speedup"], 3),
+                      "rank_timer_vs_wall": round(results["rank_timer"]["median_ratio"], 3),
                       "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4)}))
 
 

@@ -107,6 +107,11 @@ def test_distributed_run_equals_single_process(make_cfg, tmp_path, reference, sh
     assert max_diff(final_weights(cfg), final_weights(reference)) <= 1e-4
     plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
     assert [s["samples"] for s in plan["shares"]] == [n for n, _ in shares]
+    # per-rank MFU, each against its own peak (1 TFLOP/s configured): weighted by the peaks they
+    # give the job's MFU, and a rank with no samples has none
+    for rec in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")["train"]:
+        assert len(rec["rank_mfu"]) == 2 and sum(rec["rank_mfu"]) / 2 == pytest.approx(rec["mfu"], rel=1e-9)
+        assert (rec["rank_mfu"][1] == 0.0) == (shares[1][0] == 0)
 
 
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])

@@ -165,6 +165,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert out["offload_gradients"]["max_abs_diff"] <= 1e-6
     assert abs(out["analytic_vs_measured"]["activation_peak_ratio"] - 1) < 0.25
     assert out["precision_losses"]["relative_difference"] < 0.02
+    assert (out["head_padding"]["unpadded"]["head_dim"], out["head_padding"]["padded"]["head_dim"]) == (15, 16)
+    assert out["head_padding"]["speedup"] > 0 and 0 < out["rank_timer"]["median_ratio"] <= 1.0
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
     assert json.loads(res.stdout.strip().splitlines()[-1])["bench"] == "gpu_check"
 

@@ -151,6 +151,12 @@ class Slowdown:
         self.factor = spec.slowdown if spec else 1.0
         self.from_step = spec.slowdown_from_step if spec else 0
 
+    @property
+    def active(self) -> bool:
+        """Whether it sleeps at all: when not, nothing needs the forward's time (on a GPU that
+        would cost a synchronisation per micro-batch)."""
+        return self.factor > 1.0
+
     def after_forward(self, forward_seconds: float, step: int) -> None:
         if self.factor > 1.0 and step >= self.from_step:
             time.sleep((self.factor - 1.0) * 3.0 * forward_seconds)

@@ -8,7 +8,8 @@
     plan     split the global batch over the ranks by measured speed and memory -> plan each rank's
              activation memory -> optimizer (on the host where the device is too small for it) ->
              parallelize (DDP) -> the checkpointed optimizer, scaler and RNG state
-    step     each rank runs its micro-batches (gradient sync only on the last), clip, step
+    step     each rank runs its micro-batches (gradient sync only on the last), clip, step; the
+             next step's micro-batches are built meanwhile on a worker thread (`data.loader`)
     observe  global loss (reduced on the device, read once per log interval), metrics,
              re-balancing when step times drift
     persist  validation and atomic checkpoints
@@ -72,6 +73,7 @@ from hetforge.core.hardware import detect, padded_head_dim, run_precision
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
 from hetforge.core.sizes import format_bytes
+from hetforge.data.loader import Prefetcher
 from hetforge.data.prepare import PrepareResult, prepare
 from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard, batch_from_numpy
 from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
@@ -96,7 +98,7 @@ from hetforge.train.checkpoint import (
 from hetforge.train.checkpoint import resolve as ckpt_resolve
 from hetforge.train.metrics import plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
-from hetforge.train.parallel import BucketClock, is_data_parallel, parallelize
+from hetforge.train.parallel import BucketClock, ComputeTimer, is_data_parallel, parallelize
 
 
 @dataclass
@@ -175,22 +177,26 @@ def backward_share(
     device: torch.device,
     after_forward=None,
     clock: BucketClock | None = None,
-) -> tuple[torch.Tensor, float]:
+    loader: Prefetcher | None = None,
+    timer: ComputeTimer | None = None,
+) -> tuple[torch.Tensor, ComputeTimer]:
     """Forward/backward of this rank's micro-batches (given as (global position, count)) with the
     gradient sync only on the last one. Returns this rank's part of the step loss (float64, on the
-    device) and its compute seconds, waiting for other ranks excluded (the balancer needs this
-    rank's own speed). With no micro-batches it runs one dummy micro-batch of weight 0, so that the
+    device) and the timer of its compute, waiting for other ranks excluded (the balancer needs this
+    rank's own speed; `timer.step_seconds()`). With no micro-batches it runs one dummy micro-batch of weight 0, so that the
     rank still joins the step's all-reduce."""
     distributed = is_data_parallel(net)
     work = micro_batches or [(consumed, 1)]
     weight = world_size if micro_batches else 0.0  # DDP averages over ranks: undo it
     step_loss = torch.zeros((), device=device, dtype=torch.float64)
-    compute_s = 0.0
+    timer = timer or ComputeTimer(device, clock)
     for j, (start, count) in enumerate(work):
         synced = j == len(work) - 1 and distributed
         with contextlib.nullcontext() if synced or not distributed else net.no_sync():
+            timer.start()
             t0 = time.perf_counter()
-            x, y = batch_from_numpy(samples.batch(order.indices(start, count)), device)
+            x, y = (loader.get(start, count) if loader is not None
+                    else batch_from_numpy(samples.batch(order.indices(start, count)), device))
             with precision.autocast():
                 logits = net(x)
             if after_forward is not None:
@@ -201,16 +207,11 @@ def backward_share(
             # Nothing saved for the backward refers to the logits: let them go now, not after the
             # backward (or the next micro-batch's forward). At a 50k vocabulary that is GBs.
             del logits
-            if clock is not None:
-                clock.last = None
             scaler.scale(token_loss * weight / tokens_per_step).backward()
-            end = time.perf_counter()
-            if synced and clock is not None and clock.last is not None:
-                end = clock.last  # when the last gradient bucket was ready: before the all-reduce wait
-            compute_s += end - t0
+            timer.stop(synced)  # with the sync: when the last gradient bucket was ready
         if micro_batches:
             step_loss += token_loss.detach() / tokens_per_step
-    return step_loss, compute_s
+    return step_loss, timer
 
 
 def train(
@@ -314,6 +315,7 @@ class Trainer:
         self.train_samples = PackedSamples(TokenShard(data.out_dir, "train"), tc.seq_len, "train")
         self.val_samples = PackedSamples(TokenShard(data.out_dir, "val"), tc.seq_len, "val")
         self.order = SampleOrder(len(self.train_samples), tc.seed)
+        self.loader = Prefetcher(self.train_samples, self.order, self.device)
         self.tokenizer_path = data.out_dir / "tokenizer.json"
         self.byte_lengths = token_byte_lengths(load_tokenizer(self.tokenizer_path))
 
@@ -373,13 +375,9 @@ class Trainer:
     def plan(self) -> None:
         cfg, ctx, tc = self.cfg, self.ctx, self.cfg.train
         self.balance_plan = self.balance()
-        # Drift needs each rank's own compute time; on CPU the DDP hook gives it (BucketClock), on a
-        # GPU host timestamps run ahead of the kernels, so re-balancing stays off there until
-        # CUDA-event timing lands.
+        # Drift needs each rank's own compute time: the DDP hook marks the end of this rank's
+        # backward (BucketClock), with CUDA events on a GPU (ComputeTimer).
         watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto"
-        if watch and self.device.type == "cuda":
-            self.say("re-balancing on drift is CPU-only for now; the initial balance holds for this run")
-            watch = False
         self.monitor = DriftMonitor(self.balance_plan, cfg.cluster.rebalance_threshold,
                                     cfg.cluster.rebalance_window) if watch else None
         self.slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # no slowdown when the cluster is not described
@@ -392,6 +390,7 @@ class Trainer:
         if self.state.last_checkpoint is not None:
             load_components(self.state.last_checkpoint, self.components, ctx.rank)
         self.net, self.clock = parallelize(self.model, ctx, self.device)
+        self.timer = ComputeTimer(self.device, self.clock)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._accounting()
 
@@ -476,12 +475,19 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         mine = self.balance_plan.micro_positions(self.ctx.rank, st.consumed)
+        # this step's micro-batches, then the next step's: built while this one computes
+        self.loader.request(mine)
+        self.loader.request(self.balance_plan.micro_positions(self.ctx.rank, st.consumed + self.global_batch))
         checking = self.check is not None and self.check.before(st.steps_this_call, self.params, not self.ctx.distributed)
-        step_loss, compute_s = backward_share(
+        slow = self.slowdown.active
+        step_loss, _ = backward_share(
             self.net, self.train_samples, self.order, mine, st.consumed, self.tokens_per_step, self.ctx.world_size,
             self.precision, self.scaler, self.device,
-            after_forward=lambda seconds: self.slowdown.after_forward(seconds, st.step), clock=self.clock,
+            after_forward=(lambda seconds: self.slowdown.after_forward(seconds, st.step)) if slow else None,
+            clock=self.clock, loader=self.loader, timer=self.timer,
         )
+        # on a GPU the previous step's time (read without a sync), unless the plan's check needs this one
+        compute_s = self.timer.step_seconds(wait=checking)
         if checking:
             record, warnings = self.check.after(compute_s, sum(n for _, n in mine))
             for w in warnings:
@@ -556,6 +562,10 @@ class Trainer:
             if self.ctx.distributed:
                 record["rank_compute_s"] = st.rank_times
                 record["rank_samples"] = [s.samples for s in self.balance_plan.shares]
+                # each rank's model FLOPs over the step's wall time, against its own peak
+                step_s = elapsed / steps
+                record["rank_mfu"] = [self.fpt * s.samples * tc.seq_len / step_s / peak
+                                      for s, peak in zip(self.balance_plan.shares, self.rank_peaks)]
             self.logger.log("train", st.step, record)
         info = f"loss {mean_loss:.4f} | {tok_s:,.0f} tok/s | MFU {st.rate['mfu']:.1%}"
         bar.update(task, info=info)
@@ -655,6 +665,7 @@ class Trainer:
     def finish(self, signum: int | None) -> TrainResult:
         st, tc, ctx = self.state, self.cfg.train, self.ctx
         interrupted = st.step < tc.steps
+        self.loader.close()
         self._drain()
         val = None
         if not interrupted:
