@@ -199,8 +199,10 @@ def test_analytic_profile_matches_a_measured_one(tmp_path):
     assert est.blocks[0].peaks["keep/keep"][1] == pytest.approx(real.blocks[0].peaks["keep/keep"][1], rel=0.15)
     assert est.head_peak == pytest.approx(real.head_peak, rel=0.15)
     odd = GPTNeoXConfig(n_layers=2, d_model=72, n_heads=4, d_ff=288, vocab_size=512)  # head size 18
-    flash = analytic_profile(odd, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32)
+    flash = analytic_profile(odd, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32, pad_head_dim="off")
     assert flash.meta["attention"] == "math"
+    padded = analytic_profile(odd, 4, 256, lookup("A100-80GB"), cache_dir=tmp_path, proxy_seq=32)
+    assert (padded.meta["attention"], padded.meta["head_dim"]) == ("flash", 24)  # padded as a run would
     core = {u.name: u.bytes for u in flash.blocks[0].units}["attn.core"]
     assert core >= 4 * 4 * 256 * 256 * 2  # micro-batch x heads x seq^2, 2 bytes
 
