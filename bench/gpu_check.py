@@ -2,7 +2,8 @@
 
 1. the device: name, compute capability, memory; the dense-matmul peak measured per precision;
 2. training throughput of the 125M-class and forge-s (1.44B) presets at seq 2048 in bf16 and fp16,
-   a few steps each: tokens/s, TFLOP/s, MFU against the measured peak of that precision;
+   and bf16 with `train.compile: on`, a few steps each (the compile's cold start is in the dropped
+   first intervals): tokens/s, TFLOP/s, MFU against the measured peak of that precision;
 3. memory plans at three budgets (100%, 60% and 35% of keep-all's activation memory) for the 125M
    model: predicted against measured (`torch.cuda.max_memory_allocated`) activation peak and step
    time, from the training loop's own check; and the analytic model of this card (what the legacy
@@ -81,9 +82,10 @@ def raw_config(out: Path, name: str, preset: str, micro: int, steps: int, seq: i
 def throughput(out: Path, spec: dict, device: str, peaks: dict) -> list[dict]:
     rows = []
     for preset, micro, steps in spec["throughput"]:
-        for precision in ("bf16", "fp16"):
-            raw = raw_config(out, f"{preset}-{precision}", preset, micro, steps, spec["seq"], spec["vocab"],
-                             precision, device)
+        for precision, compiled in (("bf16", False), ("fp16", False), ("bf16", True)):
+            name = f"{preset}-{precision}{'-compiled' if compiled else ''}"
+            raw = raw_config(out, name, preset, micro, steps, spec["seq"], spec["vocab"], precision, device)
+            raw["train"]["compile"] = "on" if compiled else "off"
             # a low precision without a fast path (fp16 on a CPU) is held to fp32's peak, not its own
             peak = max(peaks[precision], peaks["fp32"])
             raw["train"]["peak_tflops"] = peak / 1e12
@@ -92,10 +94,11 @@ def throughput(out: Path, spec: dict, device: str, peaks: dict) -> list[dict]:
                 read_metrics(Path(raw["run_dir"]) / "metrics.jsonl")["train"]
             tok_s = statistics.median(r["tokens_per_s"] for r in recs)
             fpt = res.extra["flops_per_token"]
-            rows.append({"preset": preset, "precision": precision, "micro_batch": micro, "seq": spec["seq"],
+            rows.append({"preset": preset, "precision": precision, "compiled": compiled,
+                         "micro_batch": micro, "seq": spec["seq"],
                          "params": res.extra["params"], "tokens_per_s": tok_s, "tflops": fpt * tok_s / 1e12,
                          "mfu": fpt * tok_s / peak, "final_loss": res.losses[max(res.losses)]})
-            print(f"throughput {preset} {precision}: {tok_s:,.0f} tok/s, {fpt * tok_s / 1e12:.2f} TFLOP/s, "
+            print(f"throughput {name}: {tok_s:,.0f} tok/s, {fpt * tok_s / 1e12:.2f} TFLOP/s, "
                   f"MFU {fpt * tok_s / peak:.1%}", flush=True)
     return rows
 
@@ -294,9 +297,14 @@ def main() -> None:
     results["analytic_vs_measured"] = ANALYTIC
     results["seconds"] = time.perf_counter() - t0
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    forge = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["precision"] == "bf16"]
+    forge = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["precision"] == "bf16"
+             and not r["compiled"]]
+    forge_c = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["compiled"]]
     print(json.dumps({"bench": "gpu_check", "dry_run": args.dry_run, "seconds": round(results["seconds"], 1),
                       "forge_s_bf16_mfu": round(forge[0]["mfu"], 4) if forge else None,
+                      "forge_s_bf16_compiled_mfu": round(forge_c[0]["mfu"], 4) if forge_c else None,
+                      "forge_s_compiled_vs_eager": round(forge_c[0]["tokens_per_s"] / forge[0]["tokens_per_s"], 3)
+                      if forge and forge_c else None,
                       "plan_peak_ratios": [round(r.get("activation_peak_ratio", float("nan")), 4) for r in results["plans"]],
                       "offload_grad_max_diff": results["offload_gradients"]["max_abs_diff"],
                       "forge_s_padding_speedup": round(results["head_padding"]["speedup"], 3),

@@ -131,6 +131,9 @@ class TrainConfig(_Strict):
     eps: float = Field(1e-8, gt=0)
     grad_clip: float = Field(1.0, ge=0.0)  # 0 disables clipping
     precision: Literal["fp32", "bf16", "fp16", "auto"] = "fp32"
+    # torch.compile per block branch (regional: a small cold start, blocks stay the unit that
+    # plans and parallelisms wrap). auto: on a GPU without an activation plan; on; off.
+    compile: Literal["auto", "on", "off"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(None, ge=1)
     seed: int = 1234

@@ -159,6 +159,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     out = json.loads((tmp_path / "results.json").read_text())
     assert {r["preset"] for r in out["throughput"]} == {"tiny", "small"}
     assert {r["precision"] for r in out["throughput"]} == {"bf16", "fp16"}
+    assert sorted((r["preset"], r["precision"]) for r in out["throughput"] if r["compiled"]) == [
+        ("small", "bf16"), ("tiny", "bf16")]
     assert all(r["tokens_per_s"] > 0 for r in out["throughput"])
     assert [r["budget_fraction"] for r in out["plans"]] == [1.0, 0.6, 0.35]
     assert all(abs(r["activation_peak_ratio"] - 1) < 0.1 for r in out["plans"])

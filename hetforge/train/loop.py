@@ -98,7 +98,14 @@ from hetforge.train.checkpoint import (
 from hetforge.train.checkpoint import resolve as ckpt_resolve
 from hetforge.train.metrics import plot_loss_curve
 from hetforge.train.optim import build_optimizer, lr_at
-from hetforge.train.parallel import BucketClock, ComputeTimer, is_data_parallel, parallelize
+from hetforge.train.parallel import (
+    BucketClock,
+    ComputeTimer,
+    compile_blocks,
+    compile_decision,
+    is_data_parallel,
+    parallelize,
+)
 
 
 @dataclass
@@ -389,6 +396,10 @@ class Trainer:
         self.components = {"optimizer": self.optimizer, "scaler": self.scaler}
         if self.state.last_checkpoint is not None:
             load_components(self.state.last_checkpoint, self.components, ctx.rank)
+        self.compiled, why = compile_decision(tc.compile, self.device, self.check is not None)
+        if self.compiled:
+            compile_blocks(self.model)
+        self.say(f"compile: {'on' if self.compiled else 'off'} ({why})")
         self.net, self.clock = parallelize(self.model, ctx, self.device)
         self.timer = ComputeTimer(self.device, self.clock)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -640,7 +651,14 @@ class Trainer:
             task = bar.add_task("training", total=tc.steps, completed=st.step, info="")
             interval_t0, interval_steps = time.perf_counter(), 0
             while st.step < tc.steps:
+                first = st.steps_this_call == 0
+                t_step = time.perf_counter()
                 step_loss, grad_norm, compute_s = self.train_step()
+                if first and self.compiled:  # the first step compiles: its time is the cold start
+                    cold = time.perf_counter() - t_step
+                    self.say(f"compile: first step {cold:.1f}s (compiling the blocks included)")
+                    if ctx.is_main:
+                        self.logger.log("event", st.step, {"event": "compile", "first_step_s": cold})
                 interval_steps += 1
                 bar.advance(task)
                 stop_requested = self.observe_step(step_loss, grad_norm, compute_s, stop.signum is not None, bar)

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetforge.cluster.dist import DistContext
+from hetforge.core.errors import ConfigError
 
 
 class BucketClock:
@@ -115,3 +116,30 @@ def parallelize(model: nn.Module, ctx: DistContext, device: torch.device) -> tup
 
 def is_data_parallel(net: nn.Module) -> bool:
     return isinstance(net, DistributedDataParallel)
+
+
+def compile_decision(mode: str, device: torch.device, memory_plan: bool) -> tuple[bool, str]:
+    """(compile?, why). A memory plan's per-tensor hooks and recompute wrappers see the eager
+    block's saved tensors, which a compiled graph replaces with its own, so the two do not mix yet."""
+    if mode == "off":
+        return False, "train.compile=off"
+    if memory_plan:
+        if mode == "on":
+            raise ConfigError("train.compile=on cannot run under an activation memory plan yet (the plan's "
+                              "per-tensor decisions need the eager block's saved tensors); use train.compile=auto "
+                              "or off, or no memory.budget")
+        return False, "an activation memory plan is active (compile and plans do not mix yet)"
+    if mode == "on":
+        return True, "train.compile=on"
+    if device.type == "cuda":
+        return True, "auto: on a GPU, compiled blocks are typically 1.2-1.5x faster"
+    return False, "auto: off on a CPU, where compiling gains little and costs a cold start"
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """Regional compilation: each block's two branches compiled on their own (what the block's
+    forward and a memory plan both call). Identical blocks share one compiled graph, as parameters
+    are graph inputs, so the cold start is one block's, not the model's."""
+    for block in getattr(model, "module", model).layers:
+        block.attn_branch = torch.compile(block.attn_branch)
+        block.mlp_branch = torch.compile(block.mlp_branch)
