@@ -185,3 +185,12 @@ def test_declared_memory_a_datasheet_figure_above_the_drivers_is_taken_as_the_dr
     assert usable_memory(None, v100, "V100") == v100 and usable_memory(8 * GiB, None, "cpu") == 8 * GiB
     with pytest.raises(ConfigError, match="memory_gb=32 \\(GiB\\) but reports 15.8 GiB"):
         usable_memory(32 * GiB, v100, "V100")
+
+
+def test_a_declared_cluster_run_as_one_process_says_so(make_cfg, capsys):
+    cfg = make_cfg("alone", steps=3)
+    cfg = cfg.model_copy(update={"cluster": type(cfg.cluster).model_validate(
+        {"nodes": [{"devices": [{"type": "cpu", "count": 2}]}]})})
+    assert train(cfg).step == 3
+    err = capsys.readouterr().err
+    assert "the cluster declares 2 devices but this is one process" in err

@@ -64,7 +64,15 @@ from hetforge.cluster.dist import (
     shutdown,
     wait_for_main,
 )
-from hetforge.cluster.spec import Slowdown, check_launch, device_memory_bytes, device_name, rank_device
+from hetforge.cluster.spec import (
+    Slowdown,
+    check_launch,
+    cluster_nodes,
+    declared_devices,
+    device_memory_bytes,
+    device_name,
+    rank_device,
+)
 from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.checkpoint_io import rng_state
 from hetforge.core.console import console, make_progress, warn
@@ -230,6 +238,10 @@ def train(
     """Train (or, with plan_only, stop once the batch balance is made: `hetforge balance`)."""
     device = resolve_device(cfg.train.device)
     check_launch(cfg.cluster, launch_world_size())  # before any connection: every rank fails alike
+    declared = declared_devices(cluster_nodes(cfg.cluster))
+    if launch_world_size() == 1 and declared > 1 and not plan_only:
+        warn(f"the cluster declares {declared} devices but this is one process: it trains alone; launch one rank "
+             f"per device (torchrun --nproc-per-node / srun) to use them")
     ctx = init_distributed(device.type, cfg.cluster.rendezvous_timeout_s, cfg.cluster.collective_timeout_s)
     if ctx.distributed and device.type == "cuda":
         device = torch.device("cuda", ctx.local_rank)
