@@ -146,6 +146,8 @@ class TrainConfig(_Strict):
     save_checkpoints: bool = True  # false for benchmarks: no checkpoint is written, so none resumes
     peak_tflops: float | None = Field(None, gt=0)  # None: measured with a matmul benchmark
     tensorboard: bool = True
+    wandb: Literal["off", "offline", "online"] = "off"  # Weights & Biases beside TensorBoard (extra `wandb`)
+    wandb_project: str = "hetforge"
     progress: bool = True
 
     @model_validator(mode="after")

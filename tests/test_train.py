@@ -155,3 +155,16 @@ def test_seq_len_too_large_for_data(make_cfg):
 
     with pytest.raises(ShardError, match="seq_len"):
         train(make_cfg(seq_len=10_000_000))
+
+
+def test_wandb_offline_mirrors_the_run_and_a_resume_continues_it(make_cfg):
+    """train.wandb=offline: a W&B run under RUN/wandb, no network; resuming reuses its id."""
+    cfg = make_cfg("wb", steps=4, checkpoint_interval=2, wandb="offline")
+    train(cfg, stop_after=2)
+    run_dir = Path(cfg.run_dir)
+    run_id = (run_dir / "wandb_id.txt").read_text()
+    train(cfg)
+    assert (run_dir / "wandb_id.txt").read_text() == run_id
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)
+    assert all((r / f"run-{run_id}.wandb").stat().st_size > 0 for r in runs)

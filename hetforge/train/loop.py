@@ -476,7 +476,8 @@ class Trainer:
             f"{ctx.world_size} rank(s), {self.device.type} {self.precision.name} | "
             f"matmul peak {self.peak / 1e12:.2f} TFLOP/s"
         )
-        self.logger = MetricsLogger(self.run_dir, tensorboard=tc.tensorboard) if ctx.is_main else None
+        self.logger = MetricsLogger(self.run_dir, tensorboard=tc.tensorboard, wandb=tc.wandb, project=tc.wandb_project,
+                                    name=cfg.name, config=cfg.model_dump(mode="json")) if ctx.is_main else None
         spec = rank_device(cfg.cluster, ctx)
         dev_name = device_name(spec, self.device)
         power, power_source = rank_power(spec.power_w if spec else None, dev_name, self.device.type == "cuda")
