@@ -216,12 +216,16 @@ def test_a_device_with_less_memory_gets_a_plan_and_a_smaller_share(make_cfg, tmp
 
     cluster = {"nodes": [{"host": "localhost", "devices": [
         {"type": "cpu", "memory_gb": 4.0, "speed": 1.0}, {"type": "cpu", "memory_gb": 2.6 / 1024, "speed": 1.0}]}]}
-    cfg = with_cluster(make_cfg, "joint", cluster, steps=3, micro_batch_size=8, global_batch_tokens=16 * 32)
+    cfg = with_cluster(make_cfg, "joint", cluster, steps=4, micro_batch_size=8, global_batch_tokens=16 * 32)
     cfg = cfg.model_copy(update={"memory": type(cfg.memory).model_validate({"budget": "auto"})})
     res = run_train(cfg, 2, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((Path(cfg.run_dir) / "memory" / "plans.json").read_text())
     big, small = sorted(rows, key=lambda r: r["rank"])
+    # the run-time check reports every rank's predicted and measured figures
+    check = [e for e in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")["event"] if e["event"] == "memory_plan_check"]
+    assert len(check) == 1 and [r["rank"] for r in check[0]["ranks"]] == [0, 1]
+    assert all(r["predicted_step_s"] > 0 and r["measured_step_s"] > 0 for r in check[0]["ranks"])
     assert set(big["options"]) == {"keep"}
     assert set(small["options"]) != {"keep"} or small["optimizer_offload"]  # recomputes or offloads something
     assert small["predicted_peak_bytes"] <= 2.6 * 2**20

@@ -138,6 +138,7 @@ def test_training_under_a_budget_matches_training_without(make_cfg, tmp_path):
     ev = events[0]
     assert ev["held_ratio"] == pytest.approx(1.0, abs=0.10)
     assert ev["measured_activation_peak_bytes"] <= 0.5 * keep.activation_peak * 1.02
+    assert [r["rank"] for r in ev["ranks"]] == [0] and ev["ranks"][0]["held_ratio"] == ev["held_ratio"]
 
 
 def test_plan_command_tables_files_and_errors(make_cfg, tmp_path, capsys):

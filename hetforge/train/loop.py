@@ -516,8 +516,10 @@ class Trainer:
             record, warnings = self.check.after(compute_s, sum(n for _, n in mine))
             for w in warnings:
                 warn(f"rank {self.ctx.rank}: {w}")
-            if record is not None and self.ctx.is_main:
-                self.logger.log("event", st.step + 1, record)
+            if record is not None:  # the same step on every rank: each rank's figures, side by side
+                ranks = all_gather_object(self.ctx, {**record, "rank": self.ctx.rank})
+                if self.ctx.is_main:
+                    self.logger.log("event", st.step + 1, {**record, "ranks": ranks})
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
         self.scaler.step(self.optimizer)  # skipped (and the scale halved) if fp16 gradients overflowed
