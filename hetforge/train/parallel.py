@@ -9,6 +9,8 @@ GPU the note is a CUDA event, see `ComputeTimer`). One process: the model itself
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from typing import Callable
 
@@ -136,10 +138,25 @@ def compile_decision(mode: str, device: torch.device, memory_plan: bool) -> tupl
     return False, "auto: off on a CPU, where compiling gains little and costs a cold start"
 
 
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache, one per ATen CPU capability. Its key misses the capability: with
+    one shared cache, kernels built under AVX-512 were reused by a process running with
+    `ATEN_CPU_CAPABILITY=avx2` and trained to NaN (seen here). An explicit
+    TORCHINDUCTOR_CACHE_DIR is kept."""
+    if not _USER_INDUCTOR_CACHE:  # (Inductor writes its default into the variable once it has used it)
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"hetforge_inductor_{os.getuid()}_{cap}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+_USER_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" in os.environ
+
+
 def compile_blocks(model: nn.Module) -> None:
     """Regional compilation: each block's two branches compiled on their own (what the block's
     forward and a memory plan both call). Identical blocks share one compiled graph, as parameters
     are graph inputs, so the cold start is one block's, not the model's."""
+    inductor_cache_dir()
     for block in getattr(model, "module", model).layers:
         block.attn_branch = torch.compile(block.attn_branch)
         block.mlp_branch = torch.compile(block.mlp_branch)
