@@ -167,8 +167,10 @@ def test_more_ranks_than_declared_devices_fail_alike_on_every_rank(make_cfg, tmp
     res = subprocess.run(torchrun_cmd(3, "-m", "hetforge", "train", str(path)), cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=120)
     out = res.stdout + res.stderr
-    lines = [ln.split("error: ", 1)[1] for ln in out.splitlines() if "error: " in ln]
-    assert res.returncode != 0 and len(lines) == 3, out[-3000:]
+    # every rank that speaks says the same (torchrun stops the others once the first has exited, so
+    # on a loaded machine not all three may get to; lines of two ranks can also run together)
+    lines = re.findall(r"error: (.*?launch one rank per declared device \(torchrun --nnodes / --nproc-per-node\))", out)
+    assert res.returncode != 0 and lines, out[-3000:]
     assert len(set(lines)) == 1 and "declares 2 device(s) on 1 node(s) but 3 ranks were launched" in lines[0]
     assert "Traceback" not in "\n".join(ln for ln in out.splitlines() if ln.startswith("[rank"))
     assert not Path(cfg.run_dir).exists()  # nothing written

@@ -132,7 +132,9 @@ def test_signal_writes_checkpoint_before_exit(make_cfg, tmp_path, sig, code):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = Path(cfg.run_dir) / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or metrics.stat().st_size == 0):
+    # mid-training: a step has been logged (the run_start record comes before the loop, and its
+    # signal handlers, start; a signal before them ends a run that has nothing to save yet)
+    while time.time() < deadline and (not metrics.exists() or '"kind": "train"' not in metrics.read_text()):
         time.sleep(0.2)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=120)
