@@ -131,8 +131,11 @@ def test_training_under_a_budget_matches_training_without(make_cfg, tmp_path):
     for s in res.losses:
         assert res.losses[s] == pytest.approx(free.losses[s], abs=1e-6)
     metrics = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
-    # hardware FLOPs count the plan's recomputation, model FLOPs do not
-    assert all(r["hfu"] > r["mfu"] > 0 for r in metrics["train"])
+    # hardware FLOPs count the plan's recomputation, model FLOPs do not (which plan fits half the
+    # activations, recomputing or offloading, follows this machine's measured profile)
+    options = json.loads((Path(cfg.run_dir) / "memory" / "plans.json").read_text())[0]["options"]
+    recomputes = any("recompute" in o for o in options)
+    assert all(r["hfu"] >= r["mfu"] > 0 and (r["hfu"] > r["mfu"]) == recomputes for r in metrics["train"])
     events = [r for r in metrics["event"] if r.get("event") == "memory_plan_check"]
     assert len(events) == 1
     ev = events[0]
