@@ -34,6 +34,7 @@ import hashlib
 import json
 import resource
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -237,9 +238,10 @@ def train(
 ) -> TrainResult:
     """Train (or, with plan_only, stop once the batch balance is made: `hetforge balance`)."""
     device = resolve_device(cfg.train.device)
-    check_launch(cfg.cluster, launch_world_size())  # before any connection: every rank fails alike
+    world = launch_world_size()
+    check_launch(cfg.cluster, world)  # before any connection: every rank fails alike
     declared = declared_devices(cluster_nodes(cfg.cluster))
-    if launch_world_size() == 1 and declared > 1 and not plan_only:
+    if world == 1 and declared > 1 and not plan_only:
         warn(f"the cluster declares {declared} devices but this is one process: it trains alone; launch one rank "
              f"per device (torchrun --nproc-per-node / srun) to use them")
     ctx = init_distributed(device.type, cfg.cluster.rendezvous_timeout_s, cfg.cluster.collective_timeout_s)
@@ -276,8 +278,6 @@ def train(
 
 
 def _resume_hint(trainer: "Trainer | None") -> str:
-    import sys
-
     command = "hetforge " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "hetforge train CONFIG"
     last = trainer.state.last_checkpoint if trainer is not None else None
     start = f"from {last}" if last is not None else "from the start (no checkpoint yet)"
