@@ -274,46 +274,71 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     from rich.table import Table
 
     from hetforge.cluster.probe import candidate_sizes
+    from hetforge.cluster.spec import cluster_nodes
     from hetforge.config import ClusterConfig, ConfigError
     from hetforge.core.console import console
-    from hetforge.memory.device_plan import feasible_plans
-    from hetforge.memory.milp import PlanError
+    from hetforge.core.hardware import lookup
     from hetforge.core.sizes import format_bytes
-    from hetforge.cluster.spec import cluster_nodes
+    from hetforge.memory.analytic import analytic_profile, usable_bytes
+    from hetforge.memory.cluster_plan import DeviceKind, plan_cluster
+    from hetforge.memory.device_plan import PROFILE_CACHE
+    from hetforge.memory.profile import profile_model
 
     nodes = cluster_nodes(ClusterConfig(file=path))
-    kinds: dict[tuple, int] = {}
+    counts: dict[tuple, int] = {}
     for node in nodes:
         for d in node.devices:
-            kinds[(d.type, d.memory_gb, d.speed)] = kinds.get((d.type, d.memory_gb, d.speed), 0) + d.count
-    t = Table(title=f"per-device memory plans for {cfg.name} (seq {cfg.train.seq_len}, {precision}; times "
-                    f"profiled on {device}, divided by the declared speed)")
-    for col in ("device", "count", "memory", "micro-batch", "plan", "predicted peak", "step ms", "samples/s"):
-        t.add_column(col)
-    rows = []
-    for (kind, mem_gb, speed), count in kinds.items():
+            counts[(d.type, d.memory_gb, d.speed)] = counts.get((d.type, d.memory_gb, d.speed), 0) + d.count
+    seq, opt = cfg.train.seq_len, cfg.train.optimizer
+    link = cfg.memory.link_gbps * 1e9 if cfg.memory.link_gbps else None
+    kinds = []
+    for (kind, mem_gb, speed), count in counts.items():
+        card = lookup(kind) if kind != "cpu" else None
+        if card is not None:  # a GPU of the table: its analytic profile, its usable memory
+            budget = mem_gb * 2**30 if mem_gb else usable_bytes(card)
+            at = (lambda b, card=card: analytic_profile(model_cfg, b, seq, card, opt, PROFILE_CACHE,
+                                                        pad_head_dim=cfg.model.pad_head_dim))
+            kinds.append(DeviceKind(kind, count, budget, at))
+            continue
         if mem_gb is None:
             raise ConfigError(f"{path}: device {kind!r} needs memory_gb: the plan is made for its memory")
-        budget = mem_gb * 2**30
-        res = feasible_plans(model_cfg, cfg.memory, cfg.train.seq_len,
-                             precision, device, candidate_sizes(cfg.train.micro_batch_size), budget,
-                             cfg.train.optimizer, speed=speed or 1.0)
-        ok = {b: dp for b, dp in res.items() if not isinstance(dp, PlanError)}
-        if not ok:
-            err = res[min(res)]
-            t.add_row(kind, str(count), f"{mem_gb:g} GB", "-", f"does not fit: {err}", "", "", "")
+        at = (lambda b: profile_model(model_cfg, b, seq, precision, device, link, opt, PROFILE_CACHE))
+        kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0))
+    pc = cfg.parallel
+    link_bps = (pc.link_gbps or 10.0) * 1e9
+    gather = 4 if precision == "fp32" else 2
+    plan = plan_cluster(model_cfg, cfg.memory, kinds, pc.strategy, candidate_sizes(cfg.train.micro_batch_size),
+                        cfg.train.global_batch_size, seq, link_bps, opt, gather, pc.offload, pc.mesh.shard)
+    t = Table(title=f"cluster plan for {cfg.name} ({model_cfg.n_layers} x d{model_cfg.d_model}, seq {seq}): "
+                    f"{plan.strategy} over {sum(k.count for k in kinds)} ranks")
+    for col in ("device", "count", "memory", "strategy", "micro-batch", "plan", "predicted peak", "step ms", "samples/s"):
+        t.add_column(col)
+    rows = []
+    for kp in plan.kinds:
+        k = kp.kind
+        if kp.plan is None:
+            t.add_row(k.name, str(k.count), format_bytes(k.budget), plan.strategy, "-", escape(f"does not fit: {kp.error}"),
+                      "", "", "")
             continue
-        b = max(ok, key=lambda b: b / ok[b].prediction.time_s)  # the best throughput
-        dp = ok[b]
-        rows.append({"device": kind, "micro_batch": b, "options": dp.plan.options,
-                     "peak_bytes": dp.prediction.peak_bytes, "time_s": dp.prediction.time_s})
-        t.add_row(kind, str(count), f"{mem_gb:g} GB", str(b), escape(dp.summary()), format_bytes(dp.prediction.peak_bytes),
-                  f"{dp.prediction.time_s * 1e3:.2f}", f"{b / dp.prediction.time_s:.1f}")
+        dp = kp.plan
+        rows.append({"device": k.name, "count": k.count, "strategy": plan.strategy, "micro_batch": dp.micro_batch,
+                     "options": dp.plan.options, "peak_bytes": dp.prediction.peak_bytes,
+                     "time_s": dp.prediction.time_s, "samples_per_s": kp.samples_per_s})
+        t.add_row(k.name, str(k.count), format_bytes(k.budget), plan.strategy, str(dp.micro_batch), escape(dp.summary()),
+                  format_bytes(dp.prediction.peak_bytes), f"{dp.prediction.time_s * 1e3:.2f}", f"{kp.samples_per_s:.1f}")
     console.print(t)
+    console.print(escape(plan.why))
+    if plan.fits:
+        console.print(f"step: compute {plan.compute_s * 1e3:.1f} ms (the global batch balanced over the ranks), "
+                      f"collectives {plan.comm_s * 1e3:.1f} ms at {link_bps / 1e9:g} GB/s "
+                      f"({'parallel.link_gbps' if pc.link_gbps else 'assumed; set parallel.link_gbps'}): "
+                      f"{plan.tokens_per_s:,.0f} tokens/s predicted")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster_plans.json").write_text(json.dumps(rows, indent=1))
+    (out / "cluster_plans.json").write_text(json.dumps({"strategy": plan.strategy, "why": plan.why, "kinds": rows,
+                                                        "step_s": plan.step_s if plan.fits else None,
+                                                        "tokens_per_s": plan.tokens_per_s}, indent=1))
     console.print(f"written {out / 'cluster_plans.json'}")
-    return 0
+    return 0 if plan.fits else 2
 
 
 def cmd_scale(args) -> int:

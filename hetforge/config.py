@@ -274,6 +274,41 @@ class MemoryConfig(_Strict):
         return self.budget is not None or self.strategy not in ("milp", "none") or self.optimizer_offload == "on"
 
 
+class MeshConfig(_Strict):
+    """Hybrid sharding: state sharded within groups of `shard` ranks (a node, typically, where the
+    links are fast), groups replicated `replicate` times (across nodes). None: all ranks shard."""
+
+    replicate: int | None = Field(None, ge=1)
+    shard: int | None = Field(None, ge=1)
+
+
+class ParallelConfig(_Strict):
+    """How training state is spread over the ranks (ZeRO stages on PyTorch's FSDP2).
+
+    strategy: ddp = every rank holds everything; zero1 = the optimizer's state sharded
+    (`ZeroRedundancyOptimizer`); zero2 = FSDP2 keeping gathered weights from forward to backward;
+    fsdp = FSDP2 sharding weights, gradients and state (ZeRO-3); auto = the least sharding under
+    which every rank fits, said at the start of the run."""
+
+    strategy: Literal["auto", "ddp", "zero1", "zero2", "fsdp"] = "auto"
+    reshard_after_forward: bool | None = None  # None: by strategy (fsdp yes, zero2 no)
+    offload: Literal["none", "optimizer", "params"] = "none"
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
+    link_gbps: float | None = Field(None, gt=0)  # GB/s between ranks for the planner; None: measured
+
+    @model_validator(mode="after")
+    def _check(self) -> "ParallelConfig":
+        if self.offload == "params" and self.strategy in ("ddp", "zero1"):
+            raise ValueError(f"parallel.offload=params needs a sharded strategy (zero2 or fsdp; FSDP2's CPU "
+                             f"offload), not {self.strategy}")
+        if self.offload == "optimizer" and self.strategy in ("zero1", "zero2", "fsdp"):
+            raise ValueError(f"parallel.offload=optimizer is for ddp; with {self.strategy} use offload=params "
+                             f"(FSDP2 keeps weight, gradient and optimizer shards on the host and steps there)")
+        if self.reshard_after_forward is not None and self.strategy in ("ddp", "zero1"):
+            raise ValueError(f"parallel.reshard_after_forward applies to zero2 and fsdp, not {self.strategy}")
+        return self
+
+
 class RunConfig(_Strict):
     name: str = "run"
     run_dir: str = "runs/run"
@@ -282,6 +317,7 @@ class RunConfig(_Strict):
     train: TrainConfig = Field(default_factory=TrainConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @model_validator(mode="after")
     def _assignments_cover_the_batch(self) -> "RunConfig":

@@ -11,6 +11,7 @@ from hetforge.cluster.balance import RankInfo, TimeModel, fixed_plan
 from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 from hetforge.train.loop import backward_share
+from hetforge.train.parallel import Parallel
 from hetforge.core.precision import Precision
 
 SEQ = 32
@@ -35,8 +36,8 @@ def main(out, data_dir, shares):
     prec = Precision("fp32", torch.device("cpu"))
     scaler = prec.grad_scaler()
     consumed = 40  # any step: the global positions [40, 40 + B)
-    loss, _ = backward_share(net, samples, order, plan.micro_positions(rank, consumed), consumed, B * SEQ, world,
-                             prec, scaler, torch.device("cpu"))
+    loss, _ = backward_share(Parallel(net, "ddp", grad_weight=float(world)), samples, order,
+                             plan.micro_positions(rank, consumed), consumed, B * SEQ, prec, scaler, torch.device("cpu"))
     dist.all_reduce(loss)
     if rank == 0:
         torch.save({"loss": loss, "grads": {n: p.grad for n, p in model.named_parameters()}}, out)

@@ -71,11 +71,11 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_goes_on(make
     real = loop.backward_share
     calls = {"n": 0}
 
-    def overflowing(net, *args, **kw):
-        out = real(net, *args, **kw)
+    def overflowing(par, *args, **kw):
+        out = real(par, *args, **kw)
         calls["n"] += 1
         if calls["n"] == 3:  # step 3's gradients overflow
-            next(net.parameters()).grad[0, 0] = float("inf")
+            next(par.net.parameters()).grad[0, 0] = float("inf")
         return out
 
     monkeypatch.setattr(loop, "backward_share", overflowing)

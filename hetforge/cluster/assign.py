@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -23,21 +24,24 @@ from hetforge.cluster.balance import (
     RankShare,
     TimeModel,
     balanced_plan,
+    equal_counts,
     equal_plan,
     fixed_plan,
 )
 from hetforge.cluster.dist import DistContext, all_gather_object, broadcast_object
-from hetforge.cluster.probe import probe
+from hetforge.cluster.probe import probe, proxy_model
 from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
 from hetforge.config import RunConfig
 from hetforge.memory.device_plan import plan_for_config
 from hetforge.memory.milp import PlanError
+from hetforge.model.accounting import ShardLayout
 
 PLAN_FILE = "balance.json"
 
 
-def _fingerprint(cfg: RunConfig, reports: list[dict]) -> str:
+def _fingerprint(cfg: RunConfig, reports: list[dict], layout: ShardLayout | None = None) -> str:
     key = {
+        "layout": asdict(layout or ShardLayout()),
         "ranks": [(r["host"], r["device"], r["memory_gb"], r["declared"]) for r in reports],
         "model": cfg.model.model_dump(mode="json"),
         "global_batch": cfg.train.global_batch_size,
@@ -59,12 +63,12 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
 
 
 def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path,
-                    backend: str):
+                    backend: str, layout: ShardLayout | None = None):
     core = getattr(model, "module", model)
 
     def at(b: int):
         try:
-            return plan_for_config(cfg, core.cfg, device, b, memory, run_dir / "memory", backend)
+            return plan_for_config(cfg, core.cfg, device, b, memory, run_dir / "memory", backend, layout)
         except PlanError as err:
             return err
 
@@ -73,10 +77,14 @@ def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memo
 
 def plan_for_run(
     cfg: RunConfig, ctx: DistContext, model: nn.Module, device: torch.device, autocast, vocab: int,
-    run_dir: Path, console=None,
+    run_dir: Path, console=None, layout: ShardLayout | None = None,
 ) -> BalancePlan:
+    """The batch balance of a distributed run. Under a sharded `layout` each rank is probed on a
+    local proxy of the model (it is never whole on one rank) and every rank runs the same number
+    of micro-batches (each one is a collective)."""
     if not ctx.distributed:
         return single_process_plan(cfg)
+    layout = layout or ShardLayout()
     spec = rank_device(cfg.cluster, ctx)
     memory = device_memory_bytes(spec, device)
     report = {
@@ -85,7 +93,7 @@ def plan_for_run(
         "declared": spec.speed if spec else None,
     }
     reports = all_gather_object(ctx, report)
-    fingerprint = _fingerprint(cfg, reports)
+    fingerprint = _fingerprint(cfg, reports, layout)
     saved = BalancePlan.load(run_dir / PLAN_FILE)
     if saved is not None and saved.fingerprint == fingerprint:
         if console is not None and ctx.is_main:
@@ -96,10 +104,14 @@ def plan_for_run(
     all_declared = all(r["declared"] for r in reports)
     memory_plans = None
     if cfg.memory.active:  # the balancer sees each device's planned (recompute/offload) step
-        memory_plans = _memory_planner(cfg, model, device, memory, run_dir, ctx.backend)
-    tm, facts = probe(model, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
+        memory_plans = _memory_planner(cfg, model, device, memory, run_dir, ctx.backend, layout)
+    shape = getattr(model, "module", model).cfg
+    static = sum(layout.static_bytes(shape, cfg.train.optimizer).values())
+    timed = proxy_model(shape, device) if layout.sharded else model
+    tm, facts = probe(timed, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
                       Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
-                      memory_plans, cfg.train.optimizer)
+                      memory_plans, cfg.train.optimizer, static=static, full_shape=shape if layout.sharded else None)
+    del timed
     gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "step_costs": tm.step_costs,
                                        "facts": facts})
     infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"],
@@ -111,7 +123,9 @@ def plan_for_run(
     elif cfg.cluster.balance == "equal":
         plan = equal_plan(infos, B)
     else:
-        plan = balanced_plan(infos, B)
+        plan = balanced_plan(infos, B, equal_counts=layout.sharded)
+    if layout.sharded:
+        plan = equal_counts(plan, infos)
     plan.fingerprint = fingerprint
     plan = broadcast_object(ctx, plan)
     if ctx.is_main:

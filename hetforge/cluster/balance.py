@@ -91,6 +91,19 @@ class TimeModel:
     def cost(self, n: int) -> float:
         return self._best(n)[0] if n > 0 else 0.0
 
+    def split_in(self, n: int, k: int) -> tuple[list[int], float]:
+        """n samples in exactly k micro-batches (sizes differ by at most one; a size 0 is a dummy
+        micro-batch of one sample at weight 0), and their time: what every rank must run when each
+        micro-batch is a collective (FSDP). Infinite when a part would exceed the memory's limit."""
+        q, r = divmod(n, k)
+        parts = [q + 1] * r + [q] * (k - r)
+        if parts[0] > self.max_micro:
+            return parts, math.inf
+        return parts, sum(self(max(p, 1)) for p in parts) + self.step_cost(max(parts[0], 1))
+
+    def cost_in(self, n: int, k: int) -> float:
+        return self.split_in(n, k)[1]
+
 
 @dataclass
 class RankShare:
@@ -235,10 +248,67 @@ def solve_counts(models: list[TimeModel], global_batch: int) -> list[int]:
     return counts
 
 
-def balanced_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
-    counts = solve_counts([i.model for i in infos], global_batch)
-    return BalancePlan(global_batch, "balanced", _shares(infos, counts),
-                       models=_models(infos))
+class _InCount:
+    """A rank's cost when it must run exactly k micro-batches (what `solve_counts` reads)."""
+
+    def __init__(self, model: TimeModel, k: int):
+        self.model, self.k = model, k
+
+    def cost(self, n: int) -> float:
+        return self.model.cost_in(n, self.k)
+
+
+def count_candidates(infos: list[RankInfo], global_batch: int, limit: int = 64) -> list[int]:
+    """Micro-batch counts worth trying: from the fewest that hold the batch in the ranks' memory
+    to one sample per micro-batch on an even share, thinned to `limit` values."""
+    lo = max(1, math.ceil(global_batch / sum(i.model.max_micro for i in infos)))
+    hi = max(lo, math.ceil(global_batch / len(infos)))
+    ks = sorted({lo, hi} | {math.ceil(global_batch / len(infos) / b) for b in range(1, hi + 1)})
+    ks = [k for k in ks if lo <= k <= hi]
+    if len(ks) > limit:
+        step = len(ks) / limit
+        ks = sorted({ks[int(i * step)] for i in range(limit)} | {ks[-1]})
+    return ks
+
+
+def balanced_plan(infos: list[RankInfo], global_batch: int, equal_counts: bool = False) -> BalancePlan:
+    """Samples per rank minimising the step time. With `equal_counts` (FSDP: every micro-batch is
+    a collective) every rank runs the same number k of micro-batches, of unequal sizes: k is
+    chosen with the counts, the fastest step over the candidates."""
+    if not equal_counts:
+        counts = solve_counts([i.model for i in infos], global_batch)
+        return BalancePlan(global_batch, "balanced", _shares(infos, counts), models=_models(infos))
+    best = None
+    for k in count_candidates(infos, global_batch):
+        costs = [_InCount(i.model, k) for i in infos]
+        counts = solve_counts(costs, global_batch)
+        t = max(c.cost(n) for c, n in zip(costs, counts))
+        if best is None or t < best[0] - 1e-15:
+            best = (t, k, counts)
+    _, k, counts = best
+    return BalancePlan(global_batch, "balanced", _shares_in(infos, counts, k), models=_models(infos))
+
+
+def _shares_in(infos: list[RankInfo], counts: list[int], k: int) -> list[RankShare]:
+    out = []
+    for info, n in zip(infos, counts):
+        parts, t = info.model.split_in(n, k)
+        if math.isinf(t):
+            raise BalanceError(f"rank {info.rank} ({info.device}) cannot hold {n} samples in {k} micro-batches "
+                               f"of at most {info.model.max_micro}")
+        out.append(RankShare(info.rank, info.host, info.device, info.memory_gb, info.model.samples_per_s(),
+                             info.model.max_micro, n, parts, t))
+    return out
+
+
+def equal_counts(plan: BalancePlan, infos: list[RankInfo]) -> BalancePlan:
+    """The same shares, each split into as many micro-batches as the rank that needs most: for a
+    strategy whose every micro-batch is a collective (an equal or fixed plan under FSDP)."""
+    k = max(max(s.grad_accum for s in plan.shares), 1)
+    if all(s.grad_accum == k for s in plan.shares):
+        return plan
+    plan.shares = _shares_in(infos, [s.samples for s in plan.shares], k)
+    return plan
 
 
 def equal_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -24,7 +25,8 @@ from torch import nn
 from hetforge.cluster.balance import BalanceError, TimeModel
 from hetforge.cluster.spec import Slowdown
 from hetforge.memory.executor import apply_plan
-from hetforge.model.accounting import static_bytes
+from hetforge.model.accounting import flops_per_token, static_bytes
+from hetforge.model.gpt_neox import GPTNeoX
 
 WORKSPACE_MARGIN = 1.2
 
@@ -49,6 +51,25 @@ def saved_bytes_per_sample(model: nn.Module, seq_len: int, vocab: int, device: t
     model.zero_grad(set_to_none=True)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in seen.items() if ptr not in params)  # weights are counted as static
+
+
+PROXY_LAYERS = 2
+
+
+def proxy_model(shape, device: torch.device) -> nn.Module:
+    """A local model of the same width with at most PROXY_LAYERS blocks, to time and measure."""
+    return GPTNeoX.build(replace(shape, n_layers=min(shape.n_layers, PROXY_LAYERS)), device, seed=0)
+
+
+def scale_proxy(model: nn.Module, shape, act: int, seq_len: int, vocab: int, device: torch.device,
+                autocast) -> tuple[float, float]:
+    """(activation bytes per sample, time factor) of `shape` from its proxy `model`: the bytes a
+    block adds are measured (the proxy less a one-block model), times scale with the FLOPs."""
+    one = GPTNeoX.build(replace(shape, n_layers=1), device, seed=0)
+    per_block = (act - saved_bytes_per_sample(one, seq_len, vocab, device, autocast)) / (model.cfg.n_layers - 1)
+    del one
+    full = act + per_block * (shape.n_layers - model.cfg.n_layers)
+    return full, flops_per_token(shape, seq_len) / flops_per_token(model.cfg, seq_len)
 
 
 def candidate_sizes(cap: int) -> list[int]:
@@ -138,14 +159,26 @@ def probe(
     device_label: str = "device",
     memory_plans=None,
     optimizer: str = "adamw",
+    static: float | None = None,
+    full_shape=None,
 ) -> tuple[TimeModel, dict]:
     """Time model and memory facts of this rank. The model's parameters are left unchanged.
 
     With `memory_plans` (micro-batch -> DevicePlan, or the PlanError saying why none fits), a
     micro-batch fits when the memory planner finds a plan for it: a device short of memory gets a
-    smaller share and pays its planned recomputation in the balanced step time."""
-    static = sum(static_bytes(model.cfg, optimizer).values())
+    smaller share and pays its planned recomputation in the balanced step time.
+
+    `static`: the rank's bytes of weights, gradients and optimizer state under its data-parallel
+    strategy (default: all of them, replicated). `full_shape`: `model` is a local proxy with fewer
+    layers (a sharded model is never whole on one rank, and FSDP's collectives would time the
+    slowest rank, not this one): activations are scaled per layer, times by FLOPs."""
+    shape = full_shape or model.cfg
+    if static is None:
+        static = sum(static_bytes(shape, optimizer).values())
     act = saved_bytes_per_sample(model, seq_len, vocab, device, autocast)
+    time_factor = 1.0
+    if full_shape is not None and full_shape.n_layers != model.cfg.n_layers:
+        act, time_factor = scale_proxy(model, full_shape, act, seq_len, vocab, device, autocast)
     plans: dict = {}
 
     def plan_at(b: int):
@@ -185,6 +218,7 @@ def probe(
         measured = {b: b / declared_speed for b in sizes}
     else:
         measured = time_steps(model, sizes, seq_len, vocab, device, autocast, slowdown, steps, run_planned)
+        measured = {b: t * time_factor for b, t in measured.items()}
     facts["measured_s"] = measured
     points = planned_points(measured, {b: s for b, s in slowdowns.items() if b not in run_planned})
     step_costs = []
@@ -196,3 +230,23 @@ def probe(
 
 def keep_all_fits(dp) -> bool:
     return dp.budget is None or dp.keep_all.peak_bytes <= dp.budget
+
+
+def activation_need(shape, seq_len: int, vocab: int, device: torch.device, autocast, act_bytes: int,
+                    floor: bool) -> float:
+    """Activation bytes of one sample of `shape` on this rank (workspace margin included), measured
+    on local proxies of one and two blocks: keep-all, or with `floor` an activation plan's least
+    (every block's input kept, `act_bytes` per element, and one block's whole)."""
+    one = GPTNeoX.build(replace(shape, n_layers=1), device, seed=0)
+    a1 = saved_bytes_per_sample(one, seq_len, vocab, device, autocast)
+    del one
+    if shape.n_layers == 1:
+        return WORKSPACE_MARGIN * a1
+    two = GPTNeoX.build(replace(shape, n_layers=2), device, seed=0)
+    a2 = saved_bytes_per_sample(two, seq_len, vocab, device, autocast)
+    del two
+    per_block = a2 - a1
+    fixed = a1 - per_block
+    if floor:
+        return WORKSPACE_MARGIN * (fixed + per_block + (shape.n_layers - 1) * seq_len * shape.d_model * act_bytes)
+    return WORKSPACE_MARGIN * (fixed + shape.n_layers * per_block)

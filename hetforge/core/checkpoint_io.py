@@ -117,34 +117,52 @@ def remove_stale_temps(root: str | Path) -> list[Path]:
 
 
 def write_manifest(path: Path, step: int, extra: dict[str, Any] | None = None) -> None:
+    """Every file of the directory, sub-directories included (a sharded checkpoint's `dcp/`)."""
     files = {}
-    for f in sorted(path.iterdir()):
+    for f in sorted(path.rglob("*")):
         if f.name == MANIFEST or not f.is_file():
             continue
         fsync(f)
-        files[f.name] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
+        files[f.relative_to(path).as_posix()] = {"bytes": f.stat().st_size, "sha256": sha256_file(f)}
     (path / MANIFEST).write_text(json.dumps({"step": step, **(extra or {}), "files": files}, indent=1))
     fsync(path / MANIFEST)
 
 
-def publish(root: str | Path, step: int, write: Callable[[Path], None], keep: int,
-            manifest_extra: dict[str, Any] | None = None) -> Path:
-    """`write(tmp)` fills a temporary directory; it becomes `ROOT/step_NNNNNNNN` atomically, with
-    its manifest, and only the newest `keep` checkpoints stay."""
+def begin_publish(root: str | Path, step: int) -> tuple[Path, int]:
+    """(a fresh temporary directory for checkpoint `step`, the lock its writer holds on it until
+    `finish_publish`): when several processes write one checkpoint (sharded state), the main one
+    begins and finishes, and all write in between."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final, tmp = step_dir(root, step), _temp_dir(root, step)
+    tmp = _temp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    lock = None
     try:
         tmp.mkdir()
-        lock = _lock_dir(tmp, blocking=True)  # held until published: the directory is being written
-        write(tmp)
+        return tmp, _lock_dir(tmp, blocking=True)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"could not write checkpoint {step_dir(root, step)}: {' '.join(str(err).split())}") from err
+
+
+def finish_publish(root: str | Path, step: int, tmp: Path, lock: int | None, keep: int,
+                   manifest_extra: dict[str, Any] | None = None, failed: BaseException | None = None) -> Path:
+    """Manifest, atomic rename to `ROOT/step_NNNNNNNN`, old checkpoints pruned to `keep`; with
+    `failed` (a writer's error), the temporary directory is removed and the error raised."""
+    root = Path(root)
+    final = step_dir(root, step)
+    try:
+        if failed is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not isinstance(failed, (OSError, RuntimeError)):
+                raise failed
+            raise CheckpointError(f"could not write checkpoint {final}: {' '.join(str(failed).split())}") from failed
         write_manifest(tmp, step, manifest_extra)
         if final.exists():  # re-saving the same step (e.g. after resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync(root)
+    except CheckpointError:
+        raise
     except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {final}: {' '.join(str(err).split())}") from err
@@ -154,6 +172,19 @@ def publish(root: str | Path, step: int, write: Callable[[Path], None], keep: in
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def publish(root: str | Path, step: int, write: Callable[[Path], None], keep: int,
+            manifest_extra: dict[str, Any] | None = None) -> Path:
+    """`write(tmp)` fills a temporary directory; it becomes `ROOT/step_NNNNNNNN` atomically, with
+    its manifest, and only the newest `keep` checkpoints stay."""
+    tmp, lock = begin_publish(root, step)
+    failed = None
+    try:
+        write(tmp)
+    except BaseException as err:  # noqa: BLE001  (removed and raised again by finish_publish)
+        failed = err
+    return finish_publish(root, step, tmp, lock, keep, manifest_extra, failed)
 
 
 def list_checkpoints(root: str | Path) -> list[Path]:

@@ -40,22 +40,31 @@ def evaluate(
     rank: int = 0,
     world_size: int = 1,
     reduce=None,
+    lockstep: bool = False,
 ) -> EvalResult:
     """Evaluate on the first samples of the split, in order: the same tokens every time it runs.
     With several ranks, rank r takes batches r, r + world, ...; `reduce` sums the (nll, tokens,
-    bytes) totals over ranks, so every rank returns the same global result."""
+    bytes) totals over ranks, so every rank returns the same global result. `lockstep`: every
+    rank runs as many forwards (a sharded model's forward is a collective); a rank past the end
+    runs the first batch again and counts nothing."""
     was_training = model.training
     model.eval()
     n = len(samples) if max_batches is None else min(len(samples), max_batches * batch_size)
     lengths = torch.tensor(byte_lengths, dtype=torch.float64) if byte_lengths else None
     nll_sum, tokens, nbytes = 0.0, 0, 0.0
-    for start in range(rank * batch_size, n, world_size * batch_size):
-        x, y = batch_from_numpy(samples.batch(list(range(start, min(start + batch_size, n)))), device)
+    starts = list(range(rank * batch_size, n, world_size * batch_size))
+    rounds = math.ceil(n / (world_size * batch_size)) if lockstep else len(starts)
+    for i in range(rounds):
+        start = starts[i] if i < len(starts) else None
+        first = 0 if start is None else start
+        x, y = batch_from_numpy(samples.batch(list(range(first, min(first + batch_size, n)))), device)
         if autocast is not None:
             with autocast():
                 logits = model(x)
         else:
             logits = model(x)
+        if start is None:
+            continue
         nll = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
         nll_sum += float(nll)
         tokens += y.numel()

@@ -17,7 +17,7 @@ from hetforge.core.precision import resolve_precision
 from hetforge.core.sizes import format_bytes, parse_size
 from hetforge.memory.plan import ModelProfile, Plan, Prediction, simulate
 from hetforge.memory.profile import profile_model
-from hetforge.model.accounting import static_bytes
+from hetforge.model.accounting import ShardLayout, static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PROFILE_CACHE = Path("data_cache") / "memory_profiles"
@@ -70,32 +70,37 @@ def comm_workspace(backend: str | None, grad_bytes: float) -> float:
 def plan_device(
     model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, micro_batch: int,
     budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
-    workspace_bytes: float = 0.0,
+    workspace_bytes: float = 0.0, layout: ShardLayout | None = None,
 ) -> DevicePlan:
     """Profile this device and plan on it. Raises PlanError (naming the smallest feasible budget)
     when nothing fits."""
     link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
     prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
     prof.workspace_bytes = workspace_bytes
-    return plan_profile(prof, model_cfg, mem_cfg, micro_batch, budget, optimizer)
+    return plan_profile(prof, model_cfg, mem_cfg, micro_batch, budget, optimizer, layout)
 
 
 def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_batch: int, budget: float | None,
-                 optimizer: str = "adamw") -> DevicePlan:
+                 optimizer: str = "adamw", layout: ShardLayout | None = None) -> DevicePlan:
     """The plan for a profile, measured here or estimated for another card (`memory.analytic`).
 
     Optimizer offload (`memory.optimizer_offload`): "on" always; "auto" only when no activation plan
-    fits beside the optimizer's state, since the host step and the copies cost time every step."""
-    mode = mem_cfg.optimizer_offload
+    fits beside the optimizer's state, since the host step and the copies cost time every step.
+    Under a sharded `layout` the static bytes are its shards and gathered units, and the host
+    optimizer is not an option (a sharded run offloads with parallel.offload=params)."""
+    layout = layout or ShardLayout()
+    mode = mem_cfg.optimizer_offload if layout.strategy == "ddp" else "off-sharded"
     offload = mode == "on"
 
     def solve_with(off: bool) -> Plan:
-        prof.static = static_bytes(model_cfg, optimizer, offload=off)
+        prof.static = layout.static_bytes(model_cfg, optimizer, off)
         return plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s)
 
     try:
         plan = solve_with(offload)
     except PlanError as err:
+        if mode == "off-sharded":
+            raise
         if mode == "off":
             state = static_bytes(model_cfg, optimizer)["optimizer state"]
             raise PlanError(f"{err}; memory.optimizer_offload=auto would move the optimizer's "
@@ -112,13 +117,16 @@ def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_ba
 
 
 def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,
-                    device_memory: float | None, cache_dir: Path | None, backend: str | None = None) -> DevicePlan:
+                    device_memory: float | None, cache_dir: Path | None, backend: str | None = None,
+                    layout: ShardLayout | None = None) -> DevicePlan:
     """`plan_device` with the budget, precision and optimizer a run config gives for this device,
-    and the all-reduce workspace of a distributed run on `backend`."""
+    and the all-reduce workspace of a distributed run on `backend` (DDP's buckets; FSDP's
+    per-unit buffers are counted in the layout's gathered bytes)."""
     prof_static = static_bytes(model_cfg, cfg.train.optimizer)
+    workspace = 0.0 if layout is not None and layout.sharded else comm_workspace(backend, prof_static["gradients"])
     return plan_device(model_cfg, cfg.memory, cfg.train.seq_len, resolve_precision(cfg.train.precision, device),
                        device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer,
-                       cache_dir, comm_workspace(backend, prof_static["gradients"]))
+                       cache_dir, workspace, layout)
 
 
 def feasible_plans(

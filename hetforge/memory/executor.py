@@ -23,6 +23,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -190,7 +191,7 @@ class PlanRunner:
     def _pack(self, t: torch.Tensor):
         s = _Saved(self.ledger)
         key = storage_key(t)
-        if key in self.ledger.params or self._branch is None:
+        if key in self.ledger.params or self._branch is None or isinstance(t, torch.nn.Parameter):
             s.tensor = t
             return s
         block, branch, mode = self._branch
@@ -337,7 +338,9 @@ class PlanRunner:
 
 
 def parameter_storages(model: torch.nn.Module) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Storages of the weights (a sharded model's local shards; its gathered weights are
+    recognised as parameters when saved, see `PlanRunner._pack`)."""
+    return {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
 
 
 class PlannedBlocks(Blocks):

@@ -15,6 +15,8 @@ here, so they agree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 WEIGHT_BYTES = 4  # fp32 master copy
@@ -71,3 +73,94 @@ def static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", offload: bool =
     if not offload:
         out["optimizer state"] = float(OPTIMIZER_BYTES[optimizer] * n)
     return out
+
+
+# --- sharded data parallelism -------------------------------------------------------------------
+# The strategies, least sharding first: what `parallel.strategy: auto` tries in this order.
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def shard_units(shape: GPTNeoXConfig) -> list[int]:
+    """Parameters of each unit FSDP gathers as one (hetforge shards the input embedding, each block,
+    and final norm + output projection each on its own; tied embeddings share the root unit)."""
+    d = shape.d_model
+    counts = count_parameters(shape)
+    block = (counts["non_embedding"] - 2 * d) // shape.n_layers
+    if shape.tie_embeddings:
+        return [shape.vocab_size * d + 2 * d] + [block] * shape.n_layers
+    return [shape.vocab_size * d] + [block] * shape.n_layers + [shape.vocab_size * d + 2 * d]
+
+
+def sharded_static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", strategy: str = "ddp",
+                         shard_size: int = 1, offload: str = "none", gather_bytes: int = WEIGHT_BYTES) -> dict[str, float]:
+    """Device bytes per rank that do not depend on the activation plan, by kind, under a data-parallel
+    strategy over a shard group of `shard_size` ranks (ZeRO, Rajbhandari et al. 2020):
+
+    - ddp: everything replicated; zero1: the optimizer's state sharded;
+    - zero2 (FSDP2 without resharding after forward): weights, gradients and state sharded, but
+      every unit's gathered weights stay from its forward to its backward;
+    - fsdp (ZeRO-3): all sharded; gathered are the unit computing and the one prefetched, and in the
+      backward one unit's full gradients before their reduce-scatter.
+
+    `gather_bytes`: bytes per gathered weight (2 under a 16-bit FSDP mixed-precision policy).
+    `offload`: "optimizer" keeps the state on the host; "params" (FSDP2's CPU offload) keeps
+    weight, gradient and state shards there, and only the gathered units on the device."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown data-parallel strategy {strategy!r} (one of {', '.join(STRATEGIES)})")
+    n = count_parameters(shape)["total"]
+    s = max(int(shard_size), 1) if strategy != "ddp" else 1
+    opt = OPTIMIZER_BYTES[optimizer] * n
+    if strategy in ("ddp", "zero1"):
+        out = {"weights": float(WEIGHT_BYTES * n), "gradients": float(GRAD_BYTES * n),
+               "optimizer state": float(opt / s)}
+    else:
+        units = shard_units(shape)
+        biggest_two = sum(sorted(units)[-2:])
+        gathered = n if strategy == "zero2" else biggest_two
+        out = {"weights": float(WEIGHT_BYTES * n / s), "gradients": float(GRAD_BYTES * n / s),
+               "optimizer state": float(opt / s), "gathered weights": float(gather_bytes * gathered),
+               "gathered gradients": float(GRAD_BYTES * max(units))}
+        if offload == "params":
+            for kind in ("weights", "gradients", "optimizer state"):
+                out[kind] = 0.0
+    if offload in ("optimizer", "params"):
+        out["optimizer state"] = 0.0
+    return {k: v for k, v in out.items() if v or k in ("weights", "gradients")}
+
+
+def collective_bytes_per_step(shape: GPTNeoXConfig, strategy: str, shard_size: int, micro_batches: int,
+                              gather_bytes: int = WEIGHT_BYTES) -> float:
+    """Bytes each rank sends per optimizer step (ring collectives: (S-1)/S of the buffer per pass).
+    ddp: one gradient all-reduce (two passes); zero1: that plus the all-gather of updated weights;
+    zero2: per micro-batch one all-gather of weights and one reduce-scatter of gradients; fsdp: the
+    same plus the backward's second all-gather (the weights were freed after the forward)."""
+    n = count_parameters(shape)["total"]
+    s = max(int(shard_size), 1)
+    if s == 1:
+        return 0.0
+    ring = (s - 1) / s
+    if strategy == "ddp":
+        return 2 * GRAD_BYTES * n * ring
+    if strategy == "zero1":
+        return 2 * GRAD_BYTES * n * ring + WEIGHT_BYTES * n * ring
+    gathers = 1 if strategy == "zero2" else 2
+    return micro_batches * (gathers * gather_bytes * n + GRAD_BYTES * n) * ring
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a run spreads its training state: what the planner, the probe and the report price."""
+
+    strategy: str = "ddp"
+    shard_size: int = 1
+    gather_bytes: int = WEIGHT_BYTES
+    offload: str = "none"  # none | optimizer | params
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy in ("zero2", "fsdp")
+
+    def static_bytes(self, shape: GPTNeoXConfig, optimizer: str = "adamw",
+                     optimizer_offload: bool = False) -> dict[str, float]:
+        offload = "optimizer" if optimizer_offload and self.offload == "none" else self.offload
+        return sharded_static_bytes(shape, optimizer, self.strategy, self.shard_size, offload, self.gather_bytes)

@@ -10,6 +10,7 @@ outside (torchtitan style), never baked into the model.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -68,9 +69,17 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dims: int, base: float):
         super().__init__()
-        self.dims = dims
-        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.dims, self.base = dims, base
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.base ** (torch.arange(0, self.dims, 2, dtype=torch.float32) / self.dims))
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the frequencies in place: after a model built on the meta device is given
+        real (uninitialised) storage."""
+        self.inv_freq.copy_(self._inv_freq().to(self.inv_freq.device))
 
     def cos_sin(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.arange(seq_len, device=device, dtype=torch.float32)
@@ -186,6 +195,24 @@ class Blocks(nn.ModuleList):
         return x
 
 
+def initial_value(cfg: GPTNeoXConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A parameter's initial value (fp32, CPU), drawn from its own generator seeded by the run's
+    seed and the parameter's name: the same weights however the model is built or sharded (a shard
+    takes its slice of this draw), one parameter in memory at a time, never the whole model.
+
+    Output projections feed the residual stream once per layer: they are scaled down so that the
+    stream's variance does not grow with depth (GPT-2 / NeoX "wang" style)."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if "layernorm" in name or "layer_norm" in name:
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith("attention.dense.weight") or name.endswith("dense_4h_to_h.weight"):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
 class GPTNeoX(nn.Module):
     def __init__(self, cfg: GPTNeoXConfig):
         super().__init__()
@@ -198,25 +225,28 @@ class GPTNeoX(nn.Module):
         if cfg.tie_embeddings:
             self.embed_out.weight = self.embed_in.weight
         self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)
-        self.reset_parameters()
+        if self.embed_in.weight.device.type != "meta":  # on the meta device: initialised once placed
+            self.reset_parameters()
+
+    @classmethod
+    def build(cls, cfg: GPTNeoXConfig, device: torch.device | str, seed: int) -> "GPTNeoX":
+        """Built on the meta device, then given storage on `device` and initialised there (from
+        `initial_value`): no second copy on the host, and the weights a sharded build gets too."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model.to_empty(device=device)
+        model.reset_parameters(seed)
+        model.rotary.reset_buffers()
+        return model
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        std = self.cfg.init_std
-        # Output projections feed the residual stream once per layer: scale them down so the
-        # stream's variance does not grow with depth (GPT-2 / NeoX "wang" style).
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
-                is_out = name.endswith("attention.dense") or name.endswith("dense_4h_to_h")
-                nn.init.normal_(m.weight, 0.0, out_std if is_out else std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, 0.0, std)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Every parameter from `initial_value`; `seed` None draws one from the global generator
+        (so `torch.manual_seed` still fixes the weights)."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
 
     def features(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, seq) -> final hidden states (batch, seq, d_model), after the last norm:

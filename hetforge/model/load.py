@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model
 from torch import nn
 
@@ -14,10 +17,16 @@ from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
+DCP_DIR = "dcp"  # a sharded run's weights and optimizer state (torch.distributed.checkpoint)
 
 
 def load_weights(path: Path, model: nn.Module) -> None:
-    """The checkpoint's weights into `model`; a model of another shape is the user's error."""
+    """The checkpoint's weights into `model` (an unsharded one); a model of another shape is the
+    user's error. A sharded run's checkpoint is consolidated here from its shards, in this one
+    process: `eval`, `generate` and `export` need neither its world size nor a process group."""
+    if not (Path(path) / WEIGHTS).is_file() and (Path(path) / DCP_DIR).is_dir():
+        _load_sharded(Path(path), model)
+        return
     try:
         load_model(model, str(Path(path) / WEIGHTS), strict=True)
     except RuntimeError as err:  # size mismatch or missing / unexpected keys
@@ -25,6 +34,19 @@ def load_weights(path: Path, model: nn.Module) -> None:
         detail = next((ln for ln in lines if "size mismatch" in ln or "Missing" in ln or "Unexpected" in ln),
                       lines[0] if lines else "")
         raise CheckpointError(f"{path}: the weights do not fit this model ({detail[:200]})") from None
+
+
+def _load_sharded(path: Path, model: nn.Module) -> None:
+    sd = model.state_dict()
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": sd}, checkpoint_id=str(path / DCP_DIR),
+                     no_dist=not (dist.is_available() and dist.is_initialized()))
+    except (RuntimeError, ValueError, KeyError) as err:
+        detail = " ".join(str(err).split())[:200]
+        raise CheckpointError(f"{path}: the sharded weights do not fit this model ({detail})") from None
+    model.load_state_dict(sd)
 
 
 def model_shape(state: dict[str, Any], path: Path) -> GPTNeoXConfig:

@@ -44,10 +44,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from rich.markup import escape
 from rich.progress import TextColumn
 from rich.table import Table
 
+from hetforge import __version__
 from hetforge.cluster.assign import PLAN_FILE, DriftMonitor, plan_for_run
 from hetforge.cluster.balance import BalancePlan
 from hetforge.cluster.dist import (
@@ -65,6 +67,7 @@ from hetforge.cluster.dist import (
     shutdown,
     wait_for_main,
 )
+from hetforge.cluster.probe import activation_need
 from hetforge.cluster.spec import (
     Slowdown,
     check_launch,
@@ -88,32 +91,43 @@ from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard, batch_f
 from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
 from hetforge.evaluate.perplexity import EvalResult, evaluate
 from hetforge.memory.device_plan import plan_for_config
+from hetforge.memory.milp import PlanError
+from hetforge.memory.sharding import HOST_OPTIMIZER, NoStrategyFits, RankNeed, choose_strategy, pick_strategy
 from hetforge.memory.executor import apply_plan
 from hetforge.memory.verify import PlanCheck
-from hetforge.model.accounting import block_forward_flops, flops_per_token, matmul_params
+from hetforge.model.accounting import STRATEGIES, ShardLayout, block_forward_flops, flops_per_token, matmul_params
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig, set_head_padding
 from hetforge.model.load import TOKENIZER
 from hetforge.scaling.accounting import PowerMeter, rank_power, write_report
 from hetforge.scaling.flops import measure_matmul_peak
 from hetforge.train.checkpoint import (
     CheckpointError,
+    begin_publish,
+    finish_publish,
     latest_valid,
     load_components,
-    load_weights,
+    load_model_state,
+    load_optimizer_state,
     read_state,
     remove_stale_temps,
     save_checkpoint,
+    save_sharded,
+    write_extras,
 )
 from hetforge.train.checkpoint import resolve as ckpt_resolve
 from hetforge.train.metrics import plot_loss_curve
-from hetforge.train.optim import build_optimizer, lr_at
+from hetforge.train.optim import build_optimizer, lr_at, param_order
 from hetforge.train.parallel import (
-    BucketClock,
     ComputeTimer,
+    Parallel,
     compile_blocks,
     compile_decision,
-    is_data_parallel,
+    device_mesh,
+    init_sharded,
+    local_state_bytes,
     parallelize,
+    shard_group_size,
+    shard_model,
 )
 
 
@@ -181,38 +195,40 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def backward_share(
-    net: torch.nn.Module,
+    par: Parallel,
     samples: PackedSamples,
     order: SampleOrder,
     micro_batches: list[tuple[int, int]],
     consumed: int,
     tokens_per_step: int,
-    world_size: int,
     precision: Precision,
     scaler: torch.amp.GradScaler,
     device: torch.device,
     after_forward=None,
-    clock: BucketClock | None = None,
     loader: Prefetcher | None = None,
     timer: ComputeTimer | None = None,
 ) -> tuple[torch.Tensor, ComputeTimer]:
-    """Forward/backward of this rank's micro-batches (given as (global position, count)) with the
-    gradient sync only on the last one. Returns this rank's part of the step loss (float64, on the
-    device) and the timer of its compute, waiting for other ranks excluded (the balancer needs this
-    rank's own speed; `timer.step_seconds()`). With no micro-batches it runs one dummy micro-batch of weight 0, so that the
-    rank still joins the step's all-reduce."""
-    distributed = is_data_parallel(net)
-    work = micro_batches or [(consumed, 1)]
-    weight = world_size if micro_batches else 0.0  # DDP averages over ranks: undo it
+    """Forward/backward of this rank's micro-batches (given as (global position, count)), with
+    DDP's gradient sync only on the last one. Returns this rank's part of the step loss (float64,
+    on the device) and the timer of its compute, waiting for other ranks excluded where the
+    strategy lets it be seen (the balancer needs this rank's own speed; `timer.step_seconds()`).
+
+    A micro-batch of count 0, or a rank with none, runs one sample with weight 0: the rank still
+    takes part in every collective (HetSeq's dummy batch; under FSDP each micro-batch is one)."""
+    net = par.net
+    work = micro_batches or [(consumed, 0)]
     step_loss = torch.zeros((), device=device, dtype=torch.float64)
-    timer = timer or ComputeTimer(device, clock)
+    timer = timer or ComputeTimer(device, par.clock)
     for j, (start, count) in enumerate(work):
-        synced = j == len(work) - 1 and distributed
-        with contextlib.nullcontext() if synced or not distributed else net.no_sync():
+        last = j == len(work) - 1
+        synced = last and par.clock is not None
+        weight = par.grad_weight if count else 0.0
+        with par.sync(last):
             timer.start()
             t0 = time.perf_counter()
-            x, y = (loader.get(start, count) if loader is not None
-                    else batch_from_numpy(samples.batch(order.indices(start, count)), device))
+            n = max(count, 1)
+            x, y = (loader.get(start, n) if loader is not None
+                    else batch_from_numpy(samples.batch(order.indices(start, n)), device))
             with precision.autocast():
                 logits = net(x)
             if after_forward is not None:
@@ -225,7 +241,7 @@ def backward_share(
             del logits
             scaler.scale(token_loss * weight / tokens_per_step).backward()
             timer.stop(synced)  # with the sync: when the last gradient bucket was ready
-        if micro_batches:
+        if count:
             step_loss += token_loss.detach() / tokens_per_step
     return step_loss, timer
 
@@ -350,7 +366,14 @@ class Trainer:
                 raise ConfigError(f"model.init_from {init} was trained with another tokenizer than the data in "
                                   f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
                                   f"{init / TOKENIZER}, and a new data.out_dir)")
-        self.model = GPTNeoX(self.model_cfg).to(self.device)
+        self.strategy, self.mesh = self.choose_strategy(), None
+        self.sharded = self.strategy in ("zero2", "fsdp")
+        if self.sharded:
+            # built on the meta device, sharded, then each rank initialises its own shards only
+            with torch.device("meta"):
+                self.model = GPTNeoX(self.model_cfg)
+        else:
+            self.model = GPTNeoX.build(self.model_cfg, self.device, tc.seed)
         head = self.model_cfg.head_dim
         try:
             padded = padded_head_dim(detect(self.device), self.precision.name, head, cfg.model.pad_head_dim)
@@ -360,6 +383,12 @@ class Trainer:
             set_head_padding(self.model, padded)
             self.say(f"attention: head size {head} run at {padded} (zero channels, exact) so that a fused "
                      f"kernel takes it (model.pad_head_dim={cfg.model.pad_head_dim})")
+        if self.sharded:
+            pc = cfg.parallel
+            self.mesh = device_mesh(ctx, self.device, pc.mesh.replicate, pc.mesh.shard)
+            shard_model(self.model, self.mesh, self.strategy, pc.reshard_after_forward, pc.offload,
+                        self.precision.dtype if self.precision.name != "fp32" else None)
+            init_sharded(self.model, torch.device("cpu") if pc.offload == "params" else self.device, tc.seed)
         self.scaler = self.precision.grad_scaler()
 
         # resume (every rank reads the same checkpoint; it holds the global sample position). The
@@ -377,43 +406,113 @@ class Trainer:
                 ck = read_state(found)
                 if ck["model_config"] != self.model_cfg.to_dict():
                     raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
-                load_weights(found, self.model)
+                load_model_state(found, self.model, self.sharded)
                 self.state.step, self.state.consumed = int(ck["step"]), ck["consumed_samples"]
                 self.state.last_checkpoint = found
                 self.say(f"resumed from {found} (step {self.state.step}, {self.state.consumed} samples consumed)")
         if init is not None and self.state.last_checkpoint is None:
-            load_weights(init, self.model)
+            load_model_state(init, self.model, self.sharded)
             self.say(f"starting from the weights of {init}")
 
     # ------------------------------------------------------------------- plan
+    def choose_strategy(self) -> str:
+        """ddp, zero1, zero2 or fsdp ("single" for one process): as configured, or the least
+        sharding under which every rank fits (`memory.sharding.choose_strategy`, on each rank's
+        memory and its activations measured on local proxies), said with the reason."""
+        cfg, ctx = self.cfg, self.ctx
+        pc = cfg.parallel
+        if not ctx.distributed:
+            if pc.strategy in ("zero1", "zero2", "fsdp"):
+                warn(f"parallel.strategy={pc.strategy} with one process: nothing to shard, it trains as one replica")
+            return "single"
+        if pc.strategy != "auto":
+            self.say(f"data parallelism: {pc.strategy} (parallel.strategy={pc.strategy})")
+            return pc.strategy
+        memory = device_memory_bytes(rank_device(cfg.cluster, ctx), self.device)
+        budget = None
+        if memory is not None:
+            budget = float(memory)
+        shard = pc.mesh.shard or (ctx.world_size // pc.mesh.replicate if pc.mesh.replicate else ctx.world_size)
+        gather = 4 if self.precision.name == "fp32" else 2
+        if cfg.memory.active and budget is not None:
+            # with an activation plan the planner itself says what fits: each strategy's static
+            # bytes under this rank's budget, at micro-batch 1
+            fits = {}
+            no_host = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"optimizer_offload": "off"})})
+            for s in STRATEGIES:
+                if (pc.offload == "params" and s in ("ddp", "zero1")) or (pc.offload == "optimizer" and s != "ddp"):
+                    continue
+                fits[s] = self._plan_fits(no_host, ShardLayout(s, shard if s != "ddp" else 1, gather, pc.offload), memory)
+            if pc.offload == "none" and cfg.memory.optimizer_offload == "auto":
+                fits[HOST_OPTIMIZER] = self._plan_fits(cfg, ShardLayout(), memory)
+            rows = all_gather_object(ctx, {"fits": fits, "device": device_name(rank_device(cfg.cluster, ctx), self.device)})
+            try:
+                strategy, why = pick_strategy([r["fits"] for r in rows], [r["device"] for r in rows])
+            except NoStrategyFits as err:
+                raise ConfigError(str(err)) from None
+            self.say(f"data parallelism: {why}")
+            return strategy
+        act = 0.0
+        if budget is not None:
+            act_bytes = 4 if self.precision.name == "fp32" else 2
+            act = activation_need(self.model_cfg, cfg.train.seq_len, self.vocab, self.device, self.precision.autocast,
+                                  act_bytes, floor=cfg.memory.active)
+        needs = [RankNeed(**n) for n in all_gather_object(ctx, {
+            "rank": ctx.rank, "device": device_name(rank_device(cfg.cluster, ctx), self.device),
+            "budget": budget, "activation_bytes": act})]
+        try:
+            strategy, why = choose_strategy(self.model_cfg, cfg.train.optimizer, needs, shard, gather, pc.offload)
+        except NoStrategyFits as err:
+            raise ConfigError(str(err)) from None
+        self.say(f"data parallelism: {why}")
+        return strategy
+
+    def _plan_fits(self, cfg: RunConfig, layout: ShardLayout, memory: float | None) -> bool:
+        try:
+            plan_for_config(cfg, self.model_cfg, self.device, 1, memory, self.run_dir / "memory",
+                            self.ctx.backend, layout)
+            return True
+        except PlanError:
+            return False
+
+    def layout(self) -> ShardLayout:
+        shard = shard_group_size(self.mesh) if self.mesh is not None else self.ctx.world_size
+        gather = 4 if self.precision.name == "fp32" else 2
+        return ShardLayout(self.strategy if self.strategy != "single" else "ddp",
+                           shard if self.strategy != "ddp" else 1, gather, self.cfg.parallel.offload)
+
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
         return plan_for_run(self.cfg, self.ctx, self.model, self.device, self.precision.autocast, self.vocab,
-                            self.run_dir, console if self.ctx.is_main else None)
+                            self.run_dir, console if self.ctx.is_main else None, self.layout())
 
     def plan(self) -> None:
         cfg, ctx, tc = self.cfg, self.ctx, self.cfg.train
         self.balance_plan = self.balance()
         # Drift needs each rank's own compute time: the DDP hook marks the end of this rank's
-        # backward (BucketClock), with CUDA events on a GPU (ComputeTimer).
-        watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto"
+        # backward (BucketClock), with CUDA events on a GPU (ComputeTimer). Under FSDP every
+        # micro-batch gathers from all ranks, so a rank's time includes its wait for the slowest:
+        # the probe's balance stands.
+        watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto" and not self.sharded
         self.monitor = DriftMonitor(self.balance_plan, cfg.cluster.rebalance_threshold,
                                     cfg.cluster.rebalance_window) if watch else None
         self.slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # no slowdown when the cluster is not described
         self.check = self._memory_plan()
-        offload = self.check is not None and self.check.dp.optimizer_offload
-        self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload)
+        offload = (self.check is not None and self.check.dp.optimizer_offload) or cfg.parallel.offload == "optimizer"
+        self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload, zero1=self.strategy == "zero1")
         if offload:
             self.say(f"rank {ctx.rank}: optimizer state in host memory (it does not fit beside the weights and gradients)")
-        self.components = {"optimizer": self.optimizer, "scaler": self.scaler}
+        self.components = {"scaler": self.scaler}  # the optimizer's state is read and written by name
+        self.param_order = param_order(self.model)
         if self.state.last_checkpoint is not None:
+            load_optimizer_state(self.state.last_checkpoint, self.model, self.optimizer, self.param_order, self.sharded)
             load_components(self.state.last_checkpoint, self.components, ctx.rank)
         self.compiled, why = compile_decision(tc.compile, self.device, self.check is not None)
         if self.compiled:
             compile_blocks(self.model)
         self.say(f"compile: {'on' if self.compiled else 'off'} ({why})")
-        self.net, self.clock = parallelize(self.model, ctx, self.device)
-        self.timer = ComputeTimer(self.device, self.clock)
+        self.par: Parallel = parallelize(self.model, ctx, self.device, self.strategy)
+        self.timer = ComputeTimer(self.device, self.par.clock)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._accounting()
 
@@ -427,7 +526,7 @@ class Trainer:
         micro = share.micro_batch_size or 1
         dp = plan_for_config(cfg, self.model_cfg, self.device, micro,
                              device_memory_bytes(rank_device(cfg.cluster, ctx), self.device),
-                             self.run_dir / "memory", ctx.backend if ctx.distributed else None)
+                             self.run_dir / "memory", ctx.backend if ctx.distributed else None, self.layout())
         runner = apply_plan(self.model, dp.plan, measure=False)  # the check measures one step
         p = dp.prediction
         mine = {"rank": ctx.rank, "device": share.device, "micro_batch": micro, "budget": dp.budget,
@@ -505,10 +604,10 @@ class Trainer:
         checking = self.check is not None and self.check.before(st.steps_this_call, self.params, not self.ctx.distributed)
         slow = self.slowdown.active
         step_loss, _ = backward_share(
-            self.net, self.train_samples, self.order, mine, st.consumed, self.tokens_per_step, self.ctx.world_size,
+            self.par, self.train_samples, self.order, mine, st.consumed, self.tokens_per_step,
             self.precision, self.scaler, self.device,
             after_forward=(lambda seconds: self.slowdown.after_forward(seconds, st.step)) if slow else None,
-            clock=self.clock, loader=self.loader, timer=self.timer,
+            loader=self.loader, timer=self.timer,
         )
         # on a GPU the previous step's time (read without a sync), unless the plan's check needs this one
         compute_s = self.timer.step_seconds(wait=checking)
@@ -522,13 +621,27 @@ class Trainer:
                     self.logger.log("event", st.step + 1, {**record, "ranks": ranks})
         self.scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+        if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is reduced over the shards
+            grad_norm = grad_norm.full_tensor()
         self.scaler.step(self.optimizer)  # skipped (and the scale halved) if fp16 gradients overflowed
         self.scaler.update()
+        if st.steps_this_call == 0:  # before the gradients go: what this rank holds, for the record
+            self.held = local_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         st.step += 1
         st.steps_this_call += 1
         st.consumed += self.global_batch
         return step_loss, grad_norm, compute_s
+
+    def record_state_bytes(self) -> None:
+        """Every rank's measured bytes of weights, gradients and optimizer state beside what the
+        layout predicts (`model.accounting.sharded_static_bytes`), in metrics.jsonl."""
+        predicted = self.layout().static_bytes(self.model_cfg, self.cfg.train.optimizer,
+                                               self.check is not None and self.check.dp.optimizer_offload)
+        ranks = all_gather_object(self.ctx, {"rank": self.ctx.rank, **self.held})
+        if self.ctx.is_main:
+            self.logger.log("event", self.state.step, {"event": "state_bytes", "strategy": self.strategy,
+                                                       "predicted": predicted, "ranks": ranks})
 
     # ---------------------------------------------------------------- observe
     def observe_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor, compute_s: float,
@@ -605,7 +718,7 @@ class Trainer:
 
         return evaluate(self.model, self.val_samples, self.cfg.train.micro_batch_size, self.device, max_batches,
                         self.byte_lengths, self.precision.autocast, ctx.rank, ctx.world_size,
-                        reduce_sum if ctx.distributed else None)
+                        reduce_sum if ctx.distributed else None, lockstep=self.sharded)
 
     # ---------------------------------------------------------------- persist
     def checkpoint_state(self) -> dict:
@@ -618,22 +731,40 @@ class Trainer:
             "seq_len": tc.seq_len,
             "precision": self.precision.name,
             "world_size": self.ctx.world_size,
+            "strategy": self.strategy,
             "balance": self.balance_plan.to_dict(),
             "schedule": {"lr": lr_at(max(st.step - 1, 0), tc), "warmup_steps": tc.warmup_steps, "steps": tc.steps},
         }
 
     def write_checkpoint(self, final: bool) -> Path | None:
-        """Rank 0 writes; all ranks learn whether it worked, so none waits on a failed one."""
+        """Rank 0 writes (with every rank's shards, in a sharded run); all ranks learn whether it
+        worked, so none waits on a failed one."""
         ctx, tc = self.ctx, self.cfg.train
         if not tc.save_checkpoints:  # a benchmark: nothing to resume, no GBs to write
             return None
         rngs = all_gather_object(ctx, rng_state())
-        path, error = None, None
         self._checkpoints_written += 1
         key = f"checkpoint/{self._checkpoints_written}"  # the others wait through the store: a long write is no hang
+        if self.sharded:
+            path, error = self._write_sharded(key, rngs)
+        else:
+            path, error = self._write_replicated(key, rngs)
+        if error is not None:
+            if final:
+                raise CheckpointError(error)
+            if ctx.is_main:
+                warn(f"{error}; the previous checkpoint is intact, training continues")
+        return path
+
+    def _write_replicated(self, key: str, rngs: list) -> tuple[Path | None, str | None]:
+        ctx, tc = self.ctx, self.cfg.train
+        if self.strategy == "zero1":
+            self.optimizer.consolidate_state_dict(to=0)  # every rank sends its part of the state to rank 0
+        path, error = None, None
         if ctx.is_main:
             try:
-                path = save_checkpoint(self.ckpt_root, self.state.step, self.model, self.components,
+                path = save_checkpoint(self.ckpt_root, self.state.step, self.model,
+                                       {"optimizer": self.optimizer, **self.components},
                                        self.checkpoint_state(), tc.keep_checkpoints, rngs, self.tokenizer_path)
             except CheckpointError as err:
                 error = str(err)
@@ -642,12 +773,47 @@ class Trainer:
         elif ctx.distributed:
             written, error = json.loads(wait_for_main(ctx, key, "writing a checkpoint"))
             path = Path(written) if written else None
+        return path, error
+
+    def _write_sharded(self, key: str, rngs: list) -> tuple[Path | None, str | None]:
+        """Rank 0 opens the temporary directory, every rank writes its shards into it (DCP), rank 0
+        adds the rest, the manifest over all files, and publishes it atomically."""
+        ctx, tc, step = self.ctx, self.cfg.train, self.state.step
+        tmp = lock = None
+        error = None
+        if ctx.is_main:
+            try:
+                tmp, lock = begin_publish(self.ckpt_root, step)
+            except CheckpointError as err:
+                error = str(err)
+            post(ctx, key + "/dir", json.dumps([str(tmp) if tmp else None, error]))
+        else:
+            opened, error = json.loads(wait_for_main(ctx, key + "/dir", "opening a checkpoint"))
+            tmp = Path(opened) if opened else None
         if error is not None:
-            if final:
-                raise CheckpointError(error)
-            if ctx.is_main:
-                warn(f"{error}; the previous checkpoint is intact, training continues")
-        return path
+            return None, error
+        failed: BaseException | None = None
+        try:
+            save_sharded(tmp, self.model, self.optimizer)
+        except (OSError, RuntimeError) as err:  # DCP raises on every rank when any rank failed
+            failed = err
+        path = None
+        if ctx.is_main:
+            try:
+                if failed is None:
+                    write_extras(tmp, self.components, self.checkpoint_state(), step, rngs, self.tokenizer_path)
+            except (OSError, RuntimeError) as err:
+                failed = err
+            try:
+                path = finish_publish(self.ckpt_root, step, tmp, lock, tc.keep_checkpoints,
+                                      {"hetforge_version": __version__, "sharded": True}, failed)
+            except CheckpointError as err:
+                error = str(err)
+            post(ctx, key, json.dumps([str(path) if path else None, error]))
+        else:
+            written, error = json.loads(wait_for_main(ctx, key, "writing a checkpoint"))
+            path = Path(written) if written else None
+        return path, error
 
     # ------------------------------------------------------------------ train
     def write_run_config(self) -> None:
@@ -674,6 +840,8 @@ class Trainer:
                     self.say(f"compile: first step {cold:.1f}s (compiling the blocks included)")
                     if ctx.is_main:
                         self.logger.log("event", st.step, {"event": "compile", "first_step_s": cold})
+                if first:
+                    self.record_state_bytes()
                 interval_steps += 1
                 bar.advance(task)
                 stop_requested = self.observe_step(step_loss, grad_norm, compute_s, stop.signum is not None, bar)

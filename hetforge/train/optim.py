@@ -73,11 +73,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def param_order(model: nn.Module) -> list[str]:
+    """Parameter names in the order `param_groups` lists them: what the integer keys of a torch
+    optimizer's state dict stand for, so that it can be read by name (a sharded run's state)."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(name)
+    return decay + no_decay
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
-                    offload: bool = False) -> torch.optim.Optimizer:
+                    offload: bool = False, zero1: bool = False) -> torch.optim.Optimizer:
     """AdamW or LAMB over the model's parameter groups; with `offload`, the same optimizer kept and
-    stepped in host memory (`HostOffloadOptimizer`)."""
+    stepped in host memory (`HostOffloadOptimizer`); with `zero1`, its state sharded over the
+    ranks (PyTorch's `ZeroRedundancyOptimizer`: each rank steps its part, then broadcasts it)."""
     groups = param_groups(model, cfg.weight_decay)
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if cfg.optimizer == "lamb":
+            return ZeroRedundancyOptimizer(groups, optimizer_class=Lamb, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+        kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas,
+                                       eps=cfg.eps, **kwargs)
     if offload:
         return HostOffloadOptimizer(groups, lambda host_groups: _make(host_groups, cfg, torch.device("cpu")))
     return _make(groups, cfg, device)

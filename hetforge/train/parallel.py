@@ -9,17 +9,23 @@ GPU the note is a CUDA event, see `ComputeTimer`). One process: the model itself
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from hetforge.cluster.dist import DistContext
 from hetforge.core.errors import ConfigError
+from hetforge.model.gpt_neox import initial_value
 
 
 class BucketClock:
@@ -105,19 +111,108 @@ class ComputeTimer:
         return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
-def parallelize(model: nn.Module, ctx: DistContext, device: torch.device) -> tuple[nn.Module, BucketClock | None]:
-    """(the module to run forward/backward on, the clock of this rank's backward or None)."""
+@dataclass
+class Parallel:
+    """What `parallelize` made of the model, and what the loop must know of it."""
+
+    net: nn.Module  # forward/backward run on this
+    strategy: str  # ddp | zero1 | zero2 | fsdp (single: one process)
+    clock: BucketClock | None = None
+    # each micro-batch's loss is multiplied by this: DDP averages gradients over the ranks (undone
+    # by the world size); FSDP here sums them (see `shard_model`), so 1
+    grad_weight: float = 1.0
+    sharded: bool = False  # parameters are DTensor shards (state goes through DCP)
+
+    @property
+    def every_micro_batch_collective(self) -> bool:
+        """FSDP gathers weights and reduce-scatters gradients in every micro-batch: ranks must run
+        the same number of micro-batches per step (sizes may differ)."""
+        return self.sharded
+
+    def sync(self, last: bool):
+        """The context of one micro-batch's forward/backward: DDP all-reduces on the last only."""
+        if isinstance(self.net, DistributedDataParallel) and not last:
+            return self.net.no_sync()
+        return contextlib.nullcontext()
+
+
+def shard_model(model: nn.Module, mesh, strategy: str, reshard_after_forward: bool | None, offload: str,
+                param_dtype: torch.dtype | None) -> None:
+    """FSDP2 (`fully_shard`) from outside: the input embedding, each block, and the final norm with
+    the output projection each become a unit gathered on its own (tied embeddings stay in the root,
+    as a weight must live in one unit), then the root.
+
+    Gradients are *summed* over ranks, not averaged: the loop's loss is already divided by the
+    global token count, which is what makes unequal shares exact. FSDP2 would otherwise divide by
+    the world size, and on gloo its averaging reduction is not supported; both are switched off
+    (`set_gradient_divide_factor(1)` with sum-only collectives), checked by the tests against DDP."""
+    reshard = (strategy == "fsdp") if reshard_after_forward is None else reshard_after_forward
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+              offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload == "params"
+              else OffloadPolicy())
+    tied = model.embed_out.weight is model.embed_in.weight
+    if not tied:
+        fully_shard(model.embed_in, reshard_after_forward=reshard, **kw)
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    if not tied:
+        fully_shard([model.final_layer_norm, model.embed_out], reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def device_mesh(ctx: DistContext, device: torch.device, replicate: int | None, shard: int | None):
+    """1-D over all ranks, or (replicate, shard) for hybrid sharding; a shape that does not cover
+    the world is the user's error, said before anything is built."""
+    world = ctx.world_size
+    if replicate is None and shard is None:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    r = replicate or world // (shard or world)
+    s = shard or world // r
+    if r * s != world:
+        raise ConfigError(f"parallel.mesh replicate={replicate} x shard={shard} does not cover the "
+                          f"{world} ranks of this job (replicate x shard must equal the world size)")
+    if r == 1:
+        return init_device_mesh(device.type, (s,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (r, s), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group_size(mesh) -> int:
+    return mesh.size(mesh.ndim - 1)
+
+
+@torch.no_grad()
+def init_sharded(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Give a model built on the meta device and sharded its storage, and initialise it shard by
+    shard: each rank draws each parameter's full initial value (one tensor at a time, on the
+    host) and keeps its slice, so the weights equal an unsharded model's with the same seed."""
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        full = initial_value(model.cfg, name, tuple(p.shape), seed)
+        if isinstance(p, DTensor):
+            local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
+        else:
+            p.copy_(full)
+    model.rotary.reset_buffers()
+
+
+def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strategy: str,
+                mesh=None) -> Parallel:
+    """Wrap the model for data parallelism. Sharded strategies are applied earlier, on the meta
+    device (`shard_model`, before the weights exist); here DDP wraps the replicated ones."""
     if not ctx.distributed:
-        return model, None
+        return Parallel(model, "single")
+    if strategy in ("zero2", "fsdp"):
+        return Parallel(model, strategy, sharded=True)
     net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True)
     clock = BucketClock(cuda_event if device.type == "cuda" else None)
     net.register_comm_hook(None, clock.hook)
-    return net, clock
-
-
-def is_data_parallel(net: nn.Module) -> bool:
-    return isinstance(net, DistributedDataParallel)
+    return Parallel(net, strategy, clock, grad_weight=float(ctx.world_size))
 
 
 def compile_decision(mode: str, device: torch.device, memory_plan: bool) -> tuple[bool, str]:
@@ -160,3 +255,30 @@ def compile_blocks(model: nn.Module) -> None:
     for block in getattr(model, "module", model).layers:
         block.attn_branch = torch.compile(block.attn_branch)
         block.mlp_branch = torch.compile(block.mlp_branch)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_state_bytes(model: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds of weights, gradients and optimizer state (its shards, under FSDP or
+    ZeRO-1): what the planner's static bytes predict, measured on the tensors themselves."""
+    params = [p for p in model.parameters()]
+    seen, weights, grads = set(), 0, 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        weights += _local(p).numel() * p.element_size()
+        if p.grad is not None:
+            grads += _local(p.grad).numel() * p.grad.element_size()
+    if hasattr(optimizer, "inner"):  # HostOffloadOptimizer: its state is in host memory
+        return {"weights": weights, "gradients": grads, "optimizer state": 0}
+    inner = getattr(optimizer, "optim", None) or optimizer  # ZeroRedundancyOptimizer: this rank's part
+    state = 0
+    for st in inner.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                state += _local(v).numel() * v.element_size()
+    return {"weights": weights, "gradients": grads, "optimizer state": state}

@@ -1,0 +1,223 @@
+"""Sharded data parallelism (FSDP2 / ZeRO) on gloo: the same update as one process and as DDP with
+unequal shares and a rank with none, per-rank state ~1/W, checkpoints that reshard across world
+size and strategy."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetforge.train import checkpoint as ckpt
+from hetforge.train.loop import train
+from hetforge.core.metrics import read_metrics
+from hetforge.model.load import load_for_inference
+from tests.test_distributed import losses, max_diff, run_train, two_cpus, with_cluster
+
+
+def three_cpus() -> dict:
+    return {"nodes": [{"host": "localhost", "devices": [{"type": "cpu"} for _ in range(3)]}]}
+
+
+def sharded(make_cfg, name, strategy, shares, **train_kw):
+    nodes = three_cpus() if len(shares) == 3 else {"nodes": two_cpus()["nodes"]}
+    for d in nodes["nodes"][0]["devices"]:
+        d.pop("memory_gb", None)
+    cluster = {**nodes, "balance": "fixed", "assignments": [{"samples": n, "micro_batch_size": b} for n, b in shares]}
+    cfg = with_cluster(make_cfg, name, cluster, **train_kw)
+    return cfg.model_copy(update={"parallel": type(cfg.parallel).model_validate({"strategy": strategy})})
+
+
+def weights(cfg) -> dict[str, torch.Tensor]:
+    model, _ = load_for_inference(cfg.run_dir)  # consolidates a sharded checkpoint in this process
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    """One process, global batch 8, 5 steps: what every strategy must reproduce."""
+    from tests.conftest import tiny_raw
+    from hetforge.config import build_config
+
+    cfg = build_config(tiny_raw(tmp_path_factory.mktemp("ref") / "ref", data_dir, steps=5, micro_batch_size=8,
+                                checkpoint_interval=5, eval_interval=1000))
+    train(cfg)
+    return cfg
+
+
+CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)]), ("fsdp", [(8, 4), (0, 1)]), ("zero2", [(1, 1), (2, 2), (5, 3)]),
+         ("zero1", [(3, 3), (5, 2)])]
+
+
+@pytest.mark.parametrize("strategy,shares", CASES, ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}" for s, sh in CASES])
+def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strategy, shares):
+    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, steps=5, micro_batch_size=8,
+                  checkpoint_interval=5, eval_interval=1000)
+    res = run_train(cfg, len(shares), tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"data parallelism: {strategy}" in res.stdout
+    got, ref = losses(cfg), losses(reference)
+    assert sorted(got) == list(range(1, 6))
+    assert all(got[s] == pytest.approx(ref[s], abs=1e-6) for s in ref)
+    # AdamW's g / sqrt(v) magnifies summation-order rounding on near-zero gradient entries
+    assert max_diff(weights(cfg), weights(reference)) <= 2e-4
+    plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
+    assert [s["samples"] for s in plan["shares"]] == [n for n, _ in shares]
+    if strategy in ("zero2", "fsdp"):  # every micro-batch is a collective: the same count on every rank
+        assert len({len(s["micro_batches"]) for s in plan["shares"]}) == 1
+        assert (ckpt.resolve(cfg.run_dir) / "dcp").is_dir()
+        assert not (ckpt.resolve(cfg.run_dir) / "model.safetensors").exists()
+
+
+def state_bytes(cfg) -> dict:
+    return next(e for e in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")["event"] if e["event"] == "state_bytes")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_holds_a_1_over_w_share_of_the_state_as_predicted(make_cfg, tmp_path, world):
+    shares = [(2, 2)] * world
+    runs = {}
+    for strategy in ("ddp", "fsdp"):
+        cfg = sharded(make_cfg, f"bytes-{strategy}{world}", strategy, shares[:2], steps=1, micro_batch_size=2 * world,
+                      eval_interval=1000, save_checkpoints=False)
+        if world == 4:
+            cfg = cfg.model_copy(update={"cluster": type(cfg.cluster).model_validate(
+                {"nodes": [{"devices": [{"type": "cpu"}] * 4}], "balance": "fixed",
+                 "assignments": [{"samples": 2, "micro_batch_size": 2}] * 4})})
+        res = run_train(cfg, world, tmp_path)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[strategy] = state_bytes(cfg)
+    for kind in ("weights", "gradients", "optimizer state"):
+        full = runs["ddp"]["ranks"][0][kind]
+        assert full == runs["ddp"]["predicted"][kind]  # replicated: exactly the accounting's bytes
+        for r in runs["fsdp"]["ranks"]:
+            assert r[kind] <= 1.1 * full / world, (kind, r, full)  # a 1/W share (dim-0 chunks round up)
+            assert r[kind] == pytest.approx(runs["fsdp"]["predicted"][kind], rel=0.1)
+        assert sum(r[kind] for r in runs["fsdp"]["ranks"]) == pytest.approx(full, rel=0.01)
+
+
+@pytest.fixture(scope="module")
+def reference6(tmp_path_factory, data_dir):
+    from tests.conftest import tiny_raw
+    from hetforge.config import build_config
+
+    cfg = build_config(tiny_raw(tmp_path_factory.mktemp("ref6") / "ref6", data_dir, steps=6, micro_batch_size=8,
+                                checkpoint_interval=2, eval_interval=1000))
+    train(cfg)
+    return cfg
+
+
+def _relaunch(cfg, strategy, world, shares):
+    nodes = {"nodes": [{"devices": [{"type": "cpu"}] * world}]} if world > 1 else {}
+    cluster = {**nodes, "balance": "fixed", "assignments": [{"samples": n, "micro_batch_size": b} for n, b in shares]} \
+        if world > 1 else {}
+    return cfg.model_copy(update={"cluster": type(cfg.cluster).model_validate(cluster),
+                                  "parallel": type(cfg.parallel).model_validate({"strategy": strategy})})
+
+
+CHAINS = {
+    "fsdp4-fsdp2-one": [("fsdp", 4, [(1, 1), (2, 1), (2, 1), (3, 1)]), ("fsdp", 2, [(3, 2), (5, 3)]), ("ddp", 1, [])],
+    "ddp2-fsdp2-zero1": [("ddp", 2, [(4, 4), (4, 4)]), ("zero2", 2, [(6, 3), (2, 1)]), ("zero1", 2, [(3, 3), (5, 5)])],
+}
+
+
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_resume_across_strategy_and_world_size(make_cfg, tmp_path, reference6, chain):
+    """Two steps under each: the sample sequence and the losses are the single process's."""
+    base = make_cfg(f"chain-{chain}", steps=6, micro_batch_size=8, checkpoint_interval=2, eval_interval=1000)
+    for strategy, world, shares in CHAINS[chain]:
+        cfg = _relaunch(base, strategy, world, shares)
+        if world == 1:
+            res = train(cfg, stop_after=2)
+            assert not res.interrupted
+        else:
+            res = run_train(cfg, world, tmp_path, "--stop-after", "2")
+            assert res.returncode == 0, res.stderr[-3000:]
+    got, ref = losses(base), losses(reference6)
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(ref[s], abs=1e-5) for s in ref), (got, ref)
+    assert max_diff(weights(base), weights(reference6)) <= 2e-4
+
+
+# --- the decision, on recorded inputs (no timing, no processes) ------------------------------------
+from hetforge.memory.sharding import NoStrategyFits, RankNeed, choose_strategy  # noqa: E402
+from hetforge.model.accounting import count_parameters, sharded_static_bytes  # noqa: E402
+from hetforge.model.presets import PRESETS  # noqa: E402
+
+GIB = 2**30
+V100 = 14.4 * GIB  # usable of 16 GB (memory.analytic.usable_bytes)
+
+
+def test_sharded_bytes_follow_the_zero_paper():
+    shape = PRESETS["forge-s"]
+    n = count_parameters(shape)["total"]
+    ddp = sharded_static_bytes(shape, "adamw", "ddp", 8)
+    assert sum(ddp.values()) == 16 * n  # 4 + 4 + 8 bytes a parameter
+    z1 = sharded_static_bytes(shape, "adamw", "zero1", 8)
+    assert z1["optimizer state"] == 8 * n / 8 and z1["weights"] == 4 * n
+    fsdp = sharded_static_bytes(shape, "adamw", "fsdp", 8, gather_bytes=2)
+    assert fsdp["weights"] + fsdp["gradients"] + fsdp["optimizer state"] == pytest.approx(16 * n / 8)
+    # gathered: the two largest units (embedding and output head, 52000 x 2064 each) in 16 bits
+    assert fsdp["gathered weights"] == 2 * (52000 * 2064 + 52000 * 2064 + 2 * 2064)
+    off = sharded_static_bytes(shape, "adamw", "fsdp", 8, offload="params", gather_bytes=2)
+    assert off["weights"] == off["gradients"] == 0 and "optimizer state" not in off
+
+
+@pytest.mark.parametrize("preset,cards,expected", [
+    ("forge-s", [V100] * 8, "zero1"),  # 21.5 GiB replicated; 12.1 GiB with the state sharded
+    ("forge-s", [V100] * 4, "zero2"),  # zero1 keeps 4+4 bytes a parameter whole: 10.7 + 2.7 GiB + activations
+    ("forge-s", [V100] * 2, "fsdp"),  # zero2's gathered weights (2.7 GiB) no longer fit beside the shards
+    ("forge-s", [40 * GIB] * 4, "ddp"),  # an A100-40GB holds a replica
+    ("forge-m", [V100] * 32, "fsdp"),  # 13.1B: only ZeRO-3 fits (over 16 V100s it is 14.7 GiB: no)
+])
+def test_auto_takes_the_least_sharding_that_fits(preset, cards, expected):
+    shape = PRESETS[preset]
+    needs = [RankNeed(r, "V100", b, 1.0 * GIB) for r, b in enumerate(cards)]
+    strategy, why = choose_strategy(shape, "adamw", needs, len(cards), gather_bytes=2)
+    assert strategy == expected, why
+    assert why.startswith(f"auto: {expected}")
+
+
+def test_auto_names_the_rank_short_of_memory_when_nothing_fits():
+    needs = [RankNeed(0, "V100", V100, GIB), RankNeed(1, "P100", 8 * GIB, GIB)]
+    with pytest.raises(NoStrategyFits, match=r"fsdp needs .* on rank 1 \(P100\)"):
+        choose_strategy(PRESETS["forge-m"], "adamw", needs, 2, gather_bytes=2)
+
+
+def test_auto_without_known_memory_replicates():
+    needs = [RankNeed(r, "cpu", None, 0.0) for r in range(3)]
+    assert choose_strategy(PRESETS["forge-s"], "adamw", needs, 3)[0] == "ddp"
+
+
+def test_pick_strategy_prefers_sharding_to_the_host_optimizer():
+    from hetforge.memory.sharding import HOST_OPTIMIZER, pick_strategy
+
+    fits = [{"ddp": True, "zero1": True, "zero2": True, "fsdp": True, HOST_OPTIMIZER: True},
+            {"ddp": False, "zero1": False, "zero2": True, "fsdp": True, HOST_OPTIMIZER: True}]
+    strategy, why = pick_strategy(fits, ["cpu", "small"])
+    assert strategy == "zero2" and "ddp has no plan on rank 1 (small)" in why
+    fits[1].update(zero2=False, fsdp=False)
+    assert pick_strategy(fits, ["cpu", "small"])[0] == "ddp"  # only the host optimizer is left
+    fits[1][HOST_OPTIMIZER] = False
+    with pytest.raises(NoStrategyFits, match="fsdp has no plan on rank 1"):
+        pick_strategy(fits, ["cpu", "small"])
+
+
+def test_auto_shards_where_a_rank_is_short_of_memory_and_plans_it(make_cfg, tmp_path):
+    """The rank declaring 2.6 MiB cannot hold a replica beside any activation plan: auto shards
+    (the planner's verdicts per strategy), and the small rank trains under a plan priced with its
+    shard bytes; the update is still the global batch's."""
+    cluster = {"nodes": [{"host": "localhost", "devices": [
+        {"type": "cpu", "memory_gb": 4.0, "speed": 1.0}, {"type": "cpu", "memory_gb": 2.6 / 1024, "speed": 1.0}]}]}
+    cfg = with_cluster(make_cfg, "auto-shard", cluster, steps=3, micro_batch_size=8, global_batch_tokens=16 * 32,
+                       eval_interval=1000)
+    cfg = cfg.model_copy(update={"memory": type(cfg.memory).model_validate({"budget": "auto"})})
+    res = run_train(cfg, 2, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "data parallelism: auto: zero" in res.stdout or "data parallelism: auto: fsdp" in res.stdout, res.stdout
+    assert "ddp has no plan on rank 1" in res.stdout
+    rows = json.loads((Path(cfg.run_dir) / "memory" / "plans.json").read_text())
+    small = max(rows, key=lambda r: r["rank"])
+    assert small["predicted_peak_bytes"] <= 2.6 * 2**20 and not small["optimizer_offload"]
+    plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
+    assert sum(s["samples"] for s in plan["shares"]) == 16
