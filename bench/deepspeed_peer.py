@@ -3,7 +3,9 @@ its CPU accelerator with gloo. Run under torchrun by bench/hetero_balance.py (2 
 can only split the batch equally, so rank 1 is slowed with the same rule as hetforge's `slowdown`
 knob: a sleep of (k-1) x 3 x the forward time after each forward.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 bench/deepspeed_peer.py OUT.json K STEPS BATCH
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node 2 bench/deepspeed_peer.py OUT.json K STEPS BATCH [STAGE]
+
+STAGE is the ZeRO stage (default 1; bench/sharded_scale.py runs 3, falling back to 2).
 
 Needs the bench extra: pip install -e '.[bench]'.
 """
@@ -36,8 +38,8 @@ from hetforge.model.presets import PRESETS  # noqa: E402
 SEQ = 128
 
 
-def main(out: str, k: str, steps: str, batch: str) -> None:
-    k, steps, batch = float(k), int(steps), int(batch)
+def main(out: str, k: str, steps: str, batch: str, stage: str = "1") -> None:
+    k, steps, batch, stage = float(k), int(steps), int(batch), int(stage)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = replace(PRESETS["tiny"], vocab_size=4096)
@@ -48,7 +50,7 @@ def main(out: str, k: str, steps: str, batch: str) -> None:
         "train_batch_size": batch,
         "train_micro_batch_size_per_gpu": batch // world,
         "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": 1},
+        "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,

@@ -263,6 +263,62 @@ def rank_timer(spec: dict, device: str) -> dict:
     return {"median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
 
 
+def fsdp_memory(spec: dict, device: str) -> dict:
+    """FSDP2 on this one device (a world of one: one GPU cannot hold two NCCL ranks): the model is
+    built on the meta device, sharded as a run shards it, and one bf16 step runs; its measured
+    peak against the planner's static bytes for the layout (`sharded_static_bytes`) plus the
+    activations the probe counts. Multi-rank shard sizes are tested on CPU ranks (tests/test_sharded.py)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hetforge.cluster.probe import saved_bytes_per_sample
+    from hetforge.model.accounting import sharded_static_bytes
+    from hetforge.model.presets import PRESETS
+    from hetforge.train.optim import build_optimizer
+    from hetforge.train.parallel import init_sharded, local_state_bytes, shard_model
+    from hetforge.config import TrainConfig
+
+    preset, micro = spec["plan_model"]
+    shape = PRESETS[preset] if preset in PRESETS else GPTNeoXConfig(n_layers=2, d_model=64, n_heads=4, d_ff=256,
+                                                                        vocab_size=512)
+    cfg = GPTNeoXConfig(**{**shape.to_dict(), "vocab_size": spec["vocab"] or 8192})
+    store = tempfile.mktemp(prefix="hetforge-fsdp-store-")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(device, (1,), mesh_dim_names=("shard",))
+        with torch.device("meta"):
+            model = GPTNeoX(cfg)
+        dtype = torch.bfloat16
+        shard_model(model, mesh, "fsdp", None, "none", dtype if device == "cuda" else None)
+        init_sharded(model, torch.device(device), 0)
+        opt = build_optimizer(model, TrainConfig(), torch.device(device))
+        act = saved_bytes_per_sample(GPTNeoX.build(cfg, device, 0), spec["seq"], cfg.vocab_size, torch.device(device),
+                                     lambda: torch.autocast(device, dtype=dtype, enabled=device == "cuda")) * micro
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        idx = torch.randint(0, cfg.vocab_size, (micro, spec["seq"] + 1), device=device)
+        with torch.autocast(device, dtype=dtype, enabled=device == "cuda"):
+            loss = F.cross_entropy(model(idx[:, :-1]).float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        held = local_state_bytes(model, opt)
+        static = sharded_static_bytes(cfg, "adamw", "fsdp", 1, gather_bytes=2 if device == "cuda" else 4)
+        peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+        predicted = sum(static.values()) + act
+        out = {"model": preset, "micro_batch": micro, "held": held, "predicted_static": static,
+               "activation_bytes": act, "measured_peak": peak, "predicted_peak": predicted,
+               "peak_ratio": peak / predicted if peak else None,
+               "state_ratio": sum(held.values()) / (static["weights"] + static["gradients"] + static["optimizer state"])}
+        print(f"FSDP2 (world 1) {preset} micro {micro}: state held / predicted {out['state_ratio']:.3f}, peak "
+              f"{(peak or 0) / 2**30:.2f} GiB / predicted {predicted / 2**30:.2f} GiB", flush=True)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes")
@@ -289,6 +345,7 @@ def main() -> None:
                      ("offload_gradients", lambda: offload_gradients(device)),
                      ("head_padding", lambda: head_padding(spec, device)),
                      ("rank_timer", lambda: rank_timer(spec, device)),
+                     ("fsdp_memory", lambda: fsdp_memory(spec, device)),
                      ("precision_losses", lambda: precisions(out, spec, device, peaks))):
         t = time.perf_counter()
         results[key] = run()
@@ -309,6 +366,9 @@ def main() -> None:
                       "offload_grad_max_diff": results["offload_gradients"]["max_abs_diff"],
                       "forge_s_padding_speedup": round(results["head_padding"]["speedup"], 3),
                       "rank_timer_vs_wall": round(results["rank_timer"]["median_ratio"], 3),
+                      "fsdp_state_vs_plan": round(results["fsdp_memory"]["state_ratio"], 3),
+                      "fsdp_peak_vs_plan": round(results["fsdp_memory"]["peak_ratio"], 3)
+                      if results["fsdp_memory"]["peak_ratio"] else None,
                       "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4)}))
 
 

@@ -176,7 +176,7 @@ CASES = {
     "extra key in a cluster file": Case(lambda c: ["size", "--gpu-hours", "1", "--cluster", cluster(
         c, CPU2 + "balance: auto\n")], "balance"),
     "device without memory for plan --cluster": Case(lambda c: ["plan", cfg_with(c), "--cluster", cluster(
-        c, "nodes:\n  - devices:\n      - {type: V100}\n")], "memory_gb"),
+        c, "nodes:\n  - devices:\n      - {type: cpu}\n")], "memory_gb"),  # a table card has its datasheet's
     # ---- planner and other CLI arguments
     "plan --budget infinite": Case(lambda c: ["plan", cfg_with(c), "--budget", "1e400"], "memory.budget"),
     "plan --budget unit": Case(lambda c: ["plan", cfg_with(c), "--budget", "12XB"], "memory.budget"),

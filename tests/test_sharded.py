@@ -221,3 +221,32 @@ def test_auto_shards_where_a_rank_is_short_of_memory_and_plans_it(make_cfg, tmp_
     assert small["predicted_peak_bytes"] <= 2.6 * 2**20 and not small["optimizer_offload"]
     plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
     assert sum(s["samples"] for s in plan["shares"]) == 16
+
+
+def test_plan_cluster_prints_the_strategy_and_each_kinds_plan(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.test_distributed import ENV, ROOT
+
+    cfg = {"name": "tiny", "run_dir": str(tmp_path / "run"), "data": {"out_dir": str(tmp_path / "d"),
+                                                                      "tokenizer": {"vocab_size": 512}},
+           "model": {"preset": None, "n_layers": 2, "d_model": 64, "n_heads": 4},
+           "train": {"seq_len": 32, "micro_batch_size": 8}, "memory": {"budget": "auto"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "cl.yaml").write_text(yaml.safe_dump({"nodes": [{"devices": [
+        {"type": "cpu", "count": 2, "memory_gb": 0.004}, {"type": "cpu", "count": 2, "memory_gb": 0.0026, "speed": 0.5}]}]}))
+    for strategy in ("fsdp", "auto"):
+        res = subprocess.run([sys.executable, "-m", "hetforge", "plan", str(tmp_path / "c.yaml"), "--cluster",
+                              str(tmp_path / "cl.yaml"), "--set", f"parallel.strategy={strategy}"],
+                             cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        out = json.loads((tmp_path / "run" / "memory" / "cluster_plans.json").read_text())
+        assert len(out["kinds"]) == 2 and out["tokens_per_s"] > 0
+        assert all(k["peak_bytes"] <= b * 2**30 for k, b in zip(out["kinds"], (0.004, 0.0026)))
+        if strategy == "fsdp":
+            assert out["strategy"] == "fsdp" and "fsdp over 4 ranks" in res.stdout
+        else:  # the 2.6 MiB cards hold no replica beside a plan without the host optimizer
+            assert out["strategy"] != "ddp" and out["why"].startswith("auto:") and "ddp on cpu" in out["why"]
