@@ -295,6 +295,9 @@ class ParallelConfig(_Strict):
     offload: Literal["none", "optimizer", "params"] = "none"
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     link_gbps: float | None = Field(None, gt=0)  # GB/s between ranks for the planner; None: measured
+    # FSDP shards consecutive blocks as one unit until it holds this many parameters (fewer,
+    # larger collectives for a small model; a block of 4M parameters or more is a unit of its own)
+    unit_params: int = Field(1 << 22, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":

@@ -91,3 +91,23 @@ def test_global_batch_tokens_must_divide_into_samples():
 def test_fixed_balance_needs_assignments():
     with pytest.raises(ConfigError, match="cluster.balance=fixed needs cluster.assignments"):
         build_config({"cluster": {"balance": "fixed"}})
+
+
+def test_a_simulated_slow_device_is_slowed_in_its_whole_compute(monkeypatch):
+    """The sleep after a forward stands for (k - 1) x (forward + backward), the backward taken as
+    the last one measured relative to its forward: under FSDP the backward costs far more than twice
+    the forward on a small model, and the device k times slower is slower at all of it."""
+    from hetforge.cluster.spec import Slowdown
+    from hetforge.config import DeviceSpec
+
+    slept = []
+    monkeypatch.setattr("hetforge.cluster.spec.time.sleep", slept.append)
+    slow = Slowdown(DeviceSpec(type="cpu", slowdown=2.0, slowdown_from_step=3))
+    slow.after_forward(0.1, step=0)
+    assert slept == []  # not yet: from step 3
+    slow.after_forward(0.1, step=3)
+    assert slept[-1] == pytest.approx(0.3)  # no backward measured yet: 2 x the forward
+    slow.after_backward(0.4)
+    slow.after_forward(0.1, step=4)
+    assert slept[-1] == pytest.approx(0.5)  # (2 - 1) x (0.1 + 4 x 0.1)
+    assert not Slowdown(None).active

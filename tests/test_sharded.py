@@ -19,13 +19,14 @@ def three_cpus() -> dict:
     return {"nodes": [{"host": "localhost", "devices": [{"type": "cpu"} for _ in range(3)]}]}
 
 
-def sharded(make_cfg, name, strategy, shares, **train_kw):
+def sharded(make_cfg, name, strategy, shares, unit_params=None, **train_kw):
     nodes = three_cpus() if len(shares) == 3 else {"nodes": two_cpus()["nodes"]}
     for d in nodes["nodes"][0]["devices"]:
         d.pop("memory_gb", None)
     cluster = {**nodes, "balance": "fixed", "assignments": [{"samples": n, "micro_batch_size": b} for n, b in shares]}
     cfg = with_cluster(make_cfg, name, cluster, **train_kw)
-    return cfg.model_copy(update={"parallel": type(cfg.parallel).model_validate({"strategy": strategy})})
+    parallel = {"strategy": strategy, **({"unit_params": unit_params} if unit_params else {})}
+    return cfg.model_copy(update={"parallel": type(cfg.parallel).model_validate(parallel)})
 
 
 def weights(cfg) -> dict[str, torch.Tensor]:
@@ -45,13 +46,15 @@ def reference(tmp_path_factory, data_dir):
     return cfg
 
 
-CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)]), ("fsdp", [(8, 4), (0, 1)]), ("zero2", [(1, 1), (2, 2), (5, 3)]),
-         ("zero1", [(3, 3), (5, 2)])]
+# unit_params=1: every block its own FSDP unit (the tiny model's blocks are otherwise one unit)
+CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)], None), ("fsdp", [(8, 4), (0, 1)], None),
+         ("fsdp", [(1, 1), (2, 1), (5, 2)], 1), ("zero2", [(1, 1), (2, 2), (5, 3)], None), ("zero1", [(3, 3), (5, 2)], None)]
 
 
-@pytest.mark.parametrize("strategy,shares", CASES, ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}" for s, sh in CASES])
-def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strategy, shares):
-    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, steps=5, micro_batch_size=8,
+@pytest.mark.parametrize("strategy,shares,unit_params", CASES,
+                         ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}{'-per-block' if u else ''}" for s, sh, u in CASES])
+def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strategy, shares, unit_params):
+    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, unit_params, steps=5, micro_batch_size=8,
                   checkpoint_interval=5, eval_interval=1000)
     res = run_train(cfg, len(shares), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -146,6 +149,20 @@ from hetforge.model.presets import PRESETS  # noqa: E402
 
 GIB = 2**30
 V100 = 14.4 * GIB  # usable of 16 GB (memory.analytic.usable_bytes)
+
+
+def test_small_blocks_are_grouped_into_fsdp_units_and_large_ones_are_not():
+    from hetforge.model.accounting import block_groups, shard_units
+
+    assert [len(g) for g in block_groups(PRESETS["forge-s"])] == [1] * 24  # 51M parameters a block
+    assert [len(g) for g in block_groups(PRESETS["125m"])] == [1] * 12  # 7.1M
+    tiny = PRESETS["tiny"]
+    assert [list(g) for g in block_groups(tiny)] == [[0, 1, 2, 3]]  # 0.2M a block: one unit of four
+    assert [len(g) for g in block_groups(tiny, 1)] == [1] * 4
+    groups = block_groups(PRESETS["small"], 1 << 21)  # 0.8M a block, units of 2M+: 3 blocks each
+    assert [list(g) for g in groups] == [[0, 1, 2], [3, 4, 5]]
+    units = shard_units(tiny)
+    assert sum(units) == count_parameters(tiny)["total"] and len(units) == 3
 
 
 def test_sharded_bytes_follow_the_zero_paper():

@@ -125,16 +125,18 @@ def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, dev
         for i in range(steps + 1):  # first is warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), slowdown.clock()
             with autocast():
                 logits = model(x[:, :-1])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            slowdown.after_forward(time.perf_counter() - t0, step=0)  # a later throttle is not probed
+            slowdown.after_forward(slowdown.clock() - c0, step=0)  # a later throttle is not probed
             loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+            c1 = slowdown.clock()
             loss.backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            slowdown.after_backward(slowdown.clock() - c1)
             if i:
                 times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)

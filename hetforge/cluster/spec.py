@@ -143,13 +143,18 @@ def device_name(spec: DeviceSpec | None, device: torch.device) -> str:
 class Slowdown:
     """Makes this rank behave like a device `factor` times slower (simulation only).
 
-    The sleep comes right after each forward pass and lasts (factor - 1) x 3 x the forward time
-    (backward ~ 2 x forward): it lands before the gradients are synchronised, where a slower
-    device's extra time would be, and the probe and the loop apply the same rule."""
+    The sleep comes right after each forward pass and lasts (factor - 1) x (the forward's time +
+    the backward's), the backward's taken as the last one measured relative to its forward (2x
+    until one is): it lands before the gradients are synchronised, where a slower device's extra
+    time would be, and the probe and the loop apply the same rule. The whole compute is slowed,
+    not a multiple of the forward: under FSDP the backward (reduce-scatters, hooks) costs far more
+    than twice the forward on a small model, and a device k times slower is slower at all of it."""
 
     def __init__(self, spec: DeviceSpec | None):
         self.factor = spec.slowdown if spec else 1.0
         self.from_step = spec.slowdown_from_step if spec else 0
+        self.backward_ratio = 2.0
+        self._forward = 0.0
 
     @property
     def active(self) -> bool:
@@ -157,6 +162,21 @@ class Slowdown:
         would cost a synchronisation per micro-batch)."""
         return self.factor > 1.0
 
+    @staticmethod
+    def clock() -> float:
+        """What the forward's time is read on. With one compute thread on a CPU: that thread's CPU
+        time, which stops while a collective waits for a peer (FSDP gathers each block's weights
+        inside the forward, so a rank with a smaller share would otherwise be charged its faster
+        peer's time and sleep for it). Otherwise wall time."""
+        if torch.get_num_threads() == 1 and not torch.cuda.is_available():
+            return time.thread_time()
+        return time.perf_counter()
+
     def after_forward(self, forward_seconds: float, step: int) -> None:
+        self._forward = forward_seconds
         if self.factor > 1.0 and step >= self.from_step:
-            time.sleep((self.factor - 1.0) * 3.0 * forward_seconds)
+            time.sleep((self.factor - 1.0) * (1.0 + self.backward_ratio) * forward_seconds)
+
+    def after_backward(self, backward_seconds: float) -> None:
+        if self._forward > 0:
+            self.backward_ratio = min(max(backward_seconds / self._forward, 0.5), 20.0)

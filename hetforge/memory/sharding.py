@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetforge.model.accounting import STRATEGIES, sharded_static_bytes
+from hetforge.model.accounting import MIN_UNIT_PARAMS, STRATEGIES, sharded_static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 
@@ -32,13 +32,14 @@ class NoStrategyFits(ValueError):
 
 
 def strategy_needs(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], strategy: str, shard_size: int,
-                   gather_bytes: int, offload: str = "none") -> list[float]:
-    static = sum(sharded_static_bytes(shape, optimizer, strategy, shard_size, offload, gather_bytes).values())
+                   gather_bytes: int, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS) -> list[float]:
+    static = sum(sharded_static_bytes(shape, optimizer, strategy, shard_size, offload, gather_bytes,
+                                      unit_params).values())
     return [static + n.activation_bytes for n in needs]
 
 
 def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], shard_size: int,
-                    gather_bytes: int = 4, offload: str = "none") -> tuple[str, str]:
+                    gather_bytes: int = 4, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS) -> tuple[str, str]:
     """(strategy, why in one line). Raises NoStrategyFits naming the rank short of memory."""
     if len(needs) <= 1:
         return "ddp", "one rank: nothing to shard"
@@ -50,7 +51,7 @@ def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed],
             continue
         if offload == "optimizer" and strategy != "ddp":
             continue
-        totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload)
+        totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, unit_params)
         short = [(n, t) for n, t in zip(needs, totals) if n.budget is not None and t > n.budget]
         if not short:
             worst = max(((t / n.budget, n, t) for n, t in zip(needs, totals) if n.budget is not None),

@@ -205,6 +205,7 @@ def backward_share(
     scaler: torch.amp.GradScaler,
     device: torch.device,
     after_forward=None,
+    after_backward=None,
     loader: Prefetcher | None = None,
     timer: ComputeTimer | None = None,
 ) -> tuple[torch.Tensor, ComputeTimer]:
@@ -225,7 +226,7 @@ def backward_share(
         weight = par.grad_weight if count else 0.0
         with par.sync(last):
             timer.start()
-            t0 = time.perf_counter()
+            t0 = Slowdown.clock() if after_forward is not None else 0.0
             n = max(count, 1)
             x, y = (loader.get(start, n) if loader is not None
                     else batch_from_numpy(samples.batch(order.indices(start, n)), device))
@@ -234,12 +235,17 @@ def backward_share(
             if after_forward is not None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                after_forward(time.perf_counter() - t0)
+                after_forward(Slowdown.clock() - t0)
             token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
             # Nothing saved for the backward refers to the logits: let them go now, not after the
             # backward (or the next micro-batch's forward). At a 50k vocabulary that is GBs.
             del logits
+            c1 = Slowdown.clock() if after_backward is not None else 0.0
             scaler.scale(token_loss * weight / tokens_per_step).backward()
+            if after_backward is not None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                after_backward(Slowdown.clock() - c1)
             timer.stop(synced)  # with the sync: when the last gradient bucket was ready
         if count:
             step_loss += token_loss.detach() / tokens_per_step
@@ -387,7 +393,7 @@ class Trainer:
             pc = cfg.parallel
             self.mesh = device_mesh(ctx, self.device, pc.mesh.replicate, pc.mesh.shard)
             shard_model(self.model, self.mesh, self.strategy, pc.reshard_after_forward, pc.offload,
-                        self.precision.dtype if self.precision.name != "fp32" else None)
+                        self.precision.dtype if self.precision.name != "fp32" else None, pc.unit_params)
             init_sharded(self.model, torch.device("cpu") if pc.offload == "params" else self.device, tc.seed)
         self.scaler = self.precision.grad_scaler()
 
@@ -442,7 +448,8 @@ class Trainer:
             for s in STRATEGIES:
                 if (pc.offload == "params" and s in ("ddp", "zero1")) or (pc.offload == "optimizer" and s != "ddp"):
                     continue
-                fits[s] = self._plan_fits(no_host, ShardLayout(s, shard if s != "ddp" else 1, gather, pc.offload), memory)
+                fits[s] = self._plan_fits(no_host, ShardLayout(s, shard if s != "ddp" else 1, gather, pc.offload,
+                                                               pc.unit_params), memory)
             if pc.offload == "none" and cfg.memory.optimizer_offload == "auto":
                 fits[HOST_OPTIMIZER] = self._plan_fits(cfg, ShardLayout(), memory)
             rows = all_gather_object(ctx, {"fits": fits, "device": device_name(rank_device(cfg.cluster, ctx), self.device)})
@@ -461,7 +468,8 @@ class Trainer:
             "rank": ctx.rank, "device": device_name(rank_device(cfg.cluster, ctx), self.device),
             "budget": budget, "activation_bytes": act})]
         try:
-            strategy, why = choose_strategy(self.model_cfg, cfg.train.optimizer, needs, shard, gather, pc.offload)
+            strategy, why = choose_strategy(self.model_cfg, cfg.train.optimizer, needs, shard, gather, pc.offload,
+                                            pc.unit_params)
         except NoStrategyFits as err:
             raise ConfigError(str(err)) from None
         self.say(f"data parallelism: {why}")
@@ -479,7 +487,8 @@ class Trainer:
         shard = shard_group_size(self.mesh) if self.mesh is not None else self.ctx.world_size
         gather = 4 if self.precision.name == "fp32" else 2
         return ShardLayout(self.strategy if self.strategy != "single" else "ddp",
-                           shard if self.strategy != "ddp" else 1, gather, self.cfg.parallel.offload)
+                           shard if self.strategy != "ddp" else 1, gather, self.cfg.parallel.offload,
+                           self.cfg.parallel.unit_params)
 
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
@@ -607,6 +616,7 @@ class Trainer:
             self.par, self.train_samples, self.order, mine, st.consumed, self.tokens_per_step,
             self.precision, self.scaler, self.device,
             after_forward=(lambda seconds: self.slowdown.after_forward(seconds, st.step)) if slow else None,
+            after_backward=self.slowdown.after_backward if slow else None,
             loader=self.loader, timer=self.timer,
         )
         # on a GPU the previous step's time (read without a sync), unless the plan's check needs this one
@@ -646,15 +656,14 @@ class Trainer:
     # ---------------------------------------------------------------- observe
     def observe_step(self, step_loss: torch.Tensor, grad_norm: torch.Tensor, compute_s: float,
                      stop_requested: bool, bar) -> bool:
-        """The global view of the step: the loss summed over ranks on the device (read at the next
-        log), each rank's compute time and any stop request (host values, gathered), drift. Returns
-        whether any rank asked to stop."""
+        """The global view of the step: each rank's compute time and any stop request (host values,
+        gathered), drift. The loss stays on the device, this rank's part, until the next log sums
+        the interval's losses over the ranks in one collective. Returns whether any rank asked to
+        stop."""
         st, ctx = self.state, self.ctx
+        st.pending.append((st.step, step_loss, grad_norm))
         if not ctx.distributed:
-            st.pending.append((st.step, step_loss, None, grad_norm))
             return stop_requested
-        reduce = dist.all_reduce(step_loss, async_op=True)
-        st.pending.append((st.step, step_loss, reduce, grad_norm))
         rows = all_gather_rows(ctx, torch.tensor([compute_s, float(stop_requested)], dtype=torch.float64))
         st.rank_times = rows[:, 0].tolist()
         new_plan = self.monitor.observe(st.rank_times) if self.monitor else None
@@ -671,14 +680,22 @@ class Trainer:
         return bool(rows[:, 1].max() > 0)
 
     def _drain(self) -> list[tuple[int, float, float]]:
-        """The pending steps' global losses and grad-norms as numbers: the interval's one host sync."""
+        """The pending steps' global losses and grad-norms as numbers: the interval's one host sync,
+        and on many ranks its one all-reduce of the losses (not one per step: an asynchronous
+        reduction in flight beside FSDP's gathers was measured to halve a step's speed on gloo in
+        some runs, its worker threads contending with the gathers)."""
+        pending = self.state.pending
+        if not pending:
+            return []
+        losses = torch.stack([loss for _, loss, _ in pending])
+        if self.ctx.distributed:
+            dist.all_reduce(losses)
+        values = losses.tolist()
         out = []
-        for s, loss, reduce, gnorm in self.state.pending:
-            if reduce is not None:
-                reduce.wait()
-            out.append((s, float(loss), float(gnorm)))
-            self.state.losses[s] = out[-1][1]
-        self.state.pending.clear()
+        for (s, _, gnorm), lv in zip(pending, values):
+            out.append((s, lv, float(gnorm)))
+            self.state.losses[s] = lv
+        pending.clear()
         return out
 
     def log_interval(self, elapsed: float, steps: int, bar, task) -> None:

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetforge.cluster.dist import DistContext
 from hetforge.core.errors import ConfigError
+from hetforge.model.accounting import MIN_UNIT_PARAMS, block_groups
 from hetforge.model.gpt_neox import initial_value
 
 
@@ -137,10 +138,11 @@ class Parallel:
 
 
 def shard_model(model: nn.Module, mesh, strategy: str, reshard_after_forward: bool | None, offload: str,
-                param_dtype: torch.dtype | None) -> None:
-    """FSDP2 (`fully_shard`) from outside: the input embedding, each block, and the final norm with
-    the output projection each become a unit gathered on its own (tied embeddings stay in the root,
-    as a weight must live in one unit), then the root.
+                param_dtype: torch.dtype | None, unit_params: int = MIN_UNIT_PARAMS) -> None:
+    """FSDP2 (`fully_shard`) from outside: the input embedding, each group of blocks
+    (`model.accounting.block_groups`: one block, or consecutive small ones together), and the final
+    norm with the output projection each become a unit gathered on its own (tied embeddings stay in
+    the root, as a weight must live in one unit), then the root.
 
     Gradients are *summed* over ranks, not averaged: the loop's loss is already divided by the
     global token count, which is what makes unequal shares exact. FSDP2 would otherwise divide by
@@ -153,8 +155,10 @@ def shard_model(model: nn.Module, mesh, strategy: str, reshard_after_forward: bo
     tied = model.embed_out.weight is model.embed_in.weight
     if not tied:
         fully_shard(model.embed_in, reshard_after_forward=reshard, **kw)
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard, **kw)
+    blocks = list(model.layers)
+    for group in block_groups(model.cfg, unit_params):
+        members = [blocks[i] for i in group]
+        fully_shard(members if len(members) > 1 else members[0], reshard_after_forward=reshard, **kw)
     if not tied:
         fully_shard([model.final_layer_norm, model.embed_out], reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
