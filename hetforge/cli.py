@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="clean corpus, train tokenizer, write token shards")
     _add_config(p)
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default data.workers)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--task", default=None, metavar="I/N",
+                   help="encode only chunks I, I+N, ... (one of N jobs, e.g. a Slurm array task); then --merge")
+    g.add_argument("--merge", action="store_true", help="after every --task: deduplicate across them, write the shards")
 
     p = sub.add_parser("train", help="train (resumes from the newest valid checkpoint)")
     _add_config(p)
@@ -142,7 +147,24 @@ def cmd_prepare(args) -> int:
     from hetforge.data.prepare import prepare
 
     cfg = load_config(args.config, args.overrides)
-    prepare(cfg.data, force=args.force)
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"prepare --workers must be at least 1 (got {args.workers})")
+    if args.task is not None:
+        from hetforge.data.prepare import prepare_task
+
+        try:
+            task, tasks = (int(x) for x in args.task.split("/"))
+            if tasks < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"prepare --task takes I/N with 0 <= I < N, e.g. 3/16 (got {args.task!r})") from None
+        prepare_task(cfg.data, task, tasks, workers=args.workers)
+    elif args.merge:
+        from hetforge.data.prepare import prepare_merge
+
+        prepare_merge(cfg.data)
+    else:
+        prepare(cfg.data, force=args.force, workers=args.workers)
     return 0
 
 

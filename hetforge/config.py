@@ -26,13 +26,32 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def _size_field(name: str):
+    """A byte size written as 64MiB, 1GB or a number: checked here, kept as written."""
+
+    def check(v):
+        try:
+            if parse_size(v) <= 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{name} must be a positive size like 64MiB, 1GB or a byte count") from None
+        return v
+
+    return field_validator(name)(check)
+
+
 class SourceConfig(_Strict):
-    """One corpus source: the embedded aclsum papers, or a file / directory of files."""
+    """One corpus source: the embedded aclsum papers, or a file / directory of files.
+
+    weight scales the source's natural share of the training samples (FORGE-style: 2.0 visits a
+    small high-quality source twice per pass over the rest, 0.5 half of a large noisy one)."""
 
     type: Literal["aclsum", "path"] = "path"
     path: str | None = None
-    format: Literal["auto", "jsonl", "txt", "parquet"] = "auto"
+    # hf: a Hugging Face dataset written by `Dataset.save_to_disk` (local only)
+    format: Literal["auto", "jsonl", "txt", "parquet", "hf"] = "auto"
     text_field: str = "text"
+    weight: float = Field(1.0, gt=0.0, le=1000.0)
     # aclsum only: splits of the aclsum summarisation benchmark whose papers are kept out of the
     # pre-training corpus so that downstream evaluation is never on trained-on text.
     exclude_splits: list[Literal["train", "val", "test"]] = Field(default_factory=lambda: ["test"])
@@ -48,6 +67,38 @@ class TokenizerConfig(_Strict):
     vocab_size: int = Field(8192, ge=259, le=1 << 20)
     path: str | None = None  # an existing tokenizer.json; skips training
     min_frequency: int = Field(2, ge=1)
+    # The BPE is trained on a seeded sample of about this many bytes, drawn from every source in
+    # proportion to its bytes x weight: memory and time stay bounded whatever the corpus size.
+    sample_bytes: str | int = "128MiB"
+
+    _sample = _size_field("sample_bytes")
+
+
+class NearDedupConfig(_Strict):
+    """MinHash-LSH near-duplicate removal (datatrove's buckets and clusters) over word n-grams.
+
+    Two documents whose n-gram Jaccard similarity is s share one of `bands` bands of `rows` hashes
+    with probability 1 - (1 - s^rows)^bands. None picks bands x rows (at most `num_hashes`) so that
+    pairs at `threshold` are found with probability >= 0.95, with the fewest pairs below it."""
+
+    enabled: bool = True
+    threshold: float = Field(0.8, gt=0.0, lt=1.0)
+    bands: int | None = Field(None, ge=1, le=256)
+    rows: int | None = Field(None, ge=1, le=64)
+    num_hashes: int = Field(112, ge=2, le=1024)
+    ngram: int = Field(5, ge=1, le=32)
+    seed: int = 1
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> "NearDedupConfig":
+        if (self.bands is None) != (self.rows is None):
+            raise ValueError("give both data.dedup.near.bands and rows, or neither (then they follow the threshold)")
+        return self
+
+
+class DedupConfig(_Strict):
+    exact: bool = True  # by a 128-bit hash of the cleaned text; no text is kept
+    near: NearDedupConfig = Field(default_factory=NearDedupConfig)
 
 
 class DataConfig(_Strict):
@@ -57,7 +108,25 @@ class DataConfig(_Strict):
     min_chars: int = Field(200, ge=0)
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
     seed: int = 1234
+    # Parallel, bounded preparation: the corpus is cut into chunks of about chunk_bytes (files,
+    # byte ranges of large JSONL files, parquet row groups, dataset rows); `workers` processes
+    # encode chunks side by side. Peak memory is set by these, not by the corpus size.
+    workers: int = Field(1, ge=1, le=256)
+    chunk_bytes: str | int = "64MiB"
+    # A document longer than this is encoded in pieces cut at paragraph, sentence or word
+    # boundaries (the tokens are those of the whole document) or, with long_docs=truncate, cut here.
+    max_doc_chars: int = Field(1_000_000, ge=1000)
+    long_docs: Literal["split", "truncate"] = "split"
+
+    _chunk = _size_field("chunk_bytes")
+
+    @model_validator(mode="after")
+    def _hashes_bounded(self) -> "DataConfig":
+        if self.dedup.near.bands is not None and self.dedup.near.bands * self.dedup.near.rows > 1024:
+            raise ValueError("data.dedup.near.bands x rows must be at most 1024 hashes")
+        return self
 
 
 class ModelConfig(_Strict):

@@ -8,15 +8,23 @@ import pytest
 from hetforge.config import DataConfig, SourceConfig
 from hetforge.data.corpus import CorpusError, clean_text, read_corpus
 from hetforge.data.prepare import PrepareError, prepare
-from hetforge.data.shards import PackedSamples, SampleOrder, ShardError, TokenShard
+from hetforge.data.shards import PackedSamples, SampleOrder, ShardError, TokenShard, read_doc_ids
 from hetforge.data.tokenizer import EOT, PAD, load_tokenizer, token_byte_lengths, token_dtype, train_bpe
 
-PARA = ("The lattice constant of the perovskite was measured at {t} K by X-ray diffraction; "
-        "the band gap shrinks as temperature rises, consistent with electron-phonon coupling. ")
+PARA = ("The {a} constant of the {m} was measured at {t} K by {b} diffraction; the {c} gap {d} as "
+        "temperature rises, consistent with {e} coupling in {f} samples. ")
+WORDS = ["lattice", "perovskite", "spinel", "garnet", "olivine", "wurtzite", "zincblende", "rutile", "anatase",
+         "fluorite", "pyrochlore", "brookite", "corundum", "magnetite", "hematite", "ilmenite", "kesterite", "neutron",
+         "electron", "band", "mobility", "shrinks", "widens", "saturates", "oscillates", "spin-orbit", "exchange",
+         "dipolar", "hyperfine", "Rashba", "annealed", "quenched", "sintered", "epitaxial", "polycrystalline"]
 
 
 def _doc(i: int, n: int = 6) -> str:
-    return "".join(PARA.format(t=100 + 7 * i + k) for k in range(n))
+    """Distinct documents (in letters: near-duplicate detection folds digits)."""
+    import random
+
+    rng = random.Random(i)
+    return "".join(PARA.format(t=100 + 7 * i + k, **{s: rng.choice(WORDS) for s in "abcdefm"}) for k in range(n))
 
 
 def _mixed_dir(tmp_path):
@@ -109,22 +117,22 @@ def test_shards_and_index_reproduce_the_documents(data_dir):
     by_id = {d.doc_id: d.text for d in docs}
     for split in ("train", "val"):
         shard = TokenShard(data_dir, split)
-        ids = meta["splits"][split]["doc_ids"]
+        ids = read_doc_ids(data_dir, split)
         assert shard.num_documents == len(ids) == meta["splits"][split]["documents"]
         assert shard.doc_offsets[-1] == shard.num_tokens
         for i in (0, len(ids) - 1):
             assert tok.decode(shard.document(i).tolist()) == by_id[ids[i]]
         ends = shard.doc_offsets[1:] - 1
         assert np.all(np.asarray(shard.tokens[ends]) == meta["eot_id"])
-    train_ids = set(meta["splits"]["train"]["doc_ids"])
-    assert not train_ids & set(meta["splits"]["val"]["doc_ids"])
+    train_ids = set(read_doc_ids(data_dir, "train"))
+    assert not train_ids & set(read_doc_ids(data_dir, "val"))
 
 
 def test_aclsum_test_split_papers_are_excluded(data_dir):
     from hetforge.data.corpus import aclsum_split_ids
 
     meta = json.loads((data_dir / "meta.json").read_text())
-    used = {p.rsplit("/", 1)[-1].split(".json")[0] for s in meta["splits"].values() for p in s["doc_ids"]}
+    used = {p.rsplit("/", 1)[-1].split(".json")[0] for s in meta["splits"] for p in read_doc_ids(data_dir, s)}
     assert len(used) == 150 and not used & aclsum_split_ids("test")
 
 

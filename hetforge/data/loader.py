@@ -16,11 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from hetforge.data.shards import PackedSamples, SampleOrder
+from hetforge.data.shards import MixedOrder, PackedSamples, SampleOrder
 
 
 class Prefetcher:
-    def __init__(self, samples: PackedSamples, order: SampleOrder, device: torch.device,
+    def __init__(self, samples: PackedSamples, order: SampleOrder | MixedOrder, device: torch.device,
                  pin_memory: bool | None = None, depth: int = 64):
         self.samples, self.order, self.device = samples, order, device
         self.pin = device.type == "cuda" if pin_memory is None else pin_memory

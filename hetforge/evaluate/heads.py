@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from sklearn.metrics import accuracy_score, f1_score, mean_absolute_error
 
 from hetforge.data.corpus import aclsum_dir
+from hetforge.data.shards import read_doc_ids
 
 SECTIONS = ("abstract", "introduction", "conclusion")
 LABELS = ("none", "challenge", "approach", "outcome")
@@ -204,7 +205,8 @@ def held_out(state: dict) -> dict:
     if meta_path is None or not meta_path.is_file():
         return {"test_papers": len(test_ids), "in_pretraining": None, "note": "the checkpoint's shards are not at hand"}
     meta = json.loads(meta_path.read_text())
-    seen = {Path(d.rsplit(":", 1)[0]).stem for split in meta["splits"].values() for d in split.get("doc_ids", [])}
+    ids = [d for split in meta["splits"] for d in read_doc_ids(meta_path.parent, split)]
+    seen = {Path(re.split(r"[:@#]\d+$", d)[0]).stem for d in ids}
     return {"test_papers": len(test_ids), "in_pretraining": len(test_ids & seen)}
 
 

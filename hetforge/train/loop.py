@@ -87,7 +87,7 @@ from hetforge.core.precision import Precision, resolve_device
 from hetforge.core.sizes import format_bytes
 from hetforge.data.loader import Prefetcher
 from hetforge.data.prepare import PrepareResult, prepare
-from hetforge.data.shards import PackedSamples, SampleOrder, TokenShard, batch_from_numpy
+from hetforge.data.shards import MixedOrder, PackedSamples, SampleOrder, TokenShard, batch_from_numpy, weighted_regions
 from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
 from hetforge.evaluate.perplexity import EvalResult, evaluate
 from hetforge.memory.device_plan import plan_for_config
@@ -353,9 +353,13 @@ class Trainer:
         if not ctx.is_main:
             data = prepare(cfg.data, progress=False, verbose=False)
         self.data: PrepareResult = data
-        self.train_samples = PackedSamples(TokenShard(data.out_dir, "train"), tc.seq_len, "train")
+        mix = weighted_regions(data.meta)
+        self.train_samples = PackedSamples(TokenShard(data.out_dir, "train"), tc.seq_len, "train",
+                                           regions=mix[0] if mix else None)
         self.val_samples = PackedSamples(TokenShard(data.out_dir, "val"), tc.seq_len, "val")
-        self.order = SampleOrder(len(self.train_samples), tc.seed)
+        # weighted sources: each draws its share of positions (data.sources[*].weight), exactly
+        self.order = (MixedOrder(self.train_samples.region_counts, mix[1], tc.seed) if mix
+                      else SampleOrder(len(self.train_samples), tc.seed))
         self.loader = Prefetcher(self.train_samples, self.order, self.device)
         self.tokenizer_path = data.out_dir / "tokenizer.json"
         self.byte_lengths = token_byte_lengths(load_tokenizer(self.tokenizer_path))
@@ -597,7 +601,21 @@ class Trainer:
                 "event": "run_start", "params": self.n_params, "flops_per_token": self.fpt,
                 "hw_flops_per_token": self.hw_fpt, "matmul_params": matmul_params(shape),
                 "seq_len": tc.seq_len, "tokens_per_step": self.tokens_per_step, "ranks": ranks,
-                "rank_peak_tflops": [p / 1e12 for p in self.rank_peaks]})
+                "rank_peak_tflops": [p / 1e12 for p in self.rank_peaks], "sources": self.source_epochs()})
+
+    def source_epochs(self) -> list[dict]:
+        """Per source: its share of the samples and how many times this run will see it."""
+        sources = self.data.meta.get("sources") or []
+        total = self.cfg.train.steps * self.global_batch
+        if isinstance(self.order, MixedOrder):
+            draws = self.order.draws(total)
+            return [{"path": s.get("path") or s["type"], "weight": s["weight"], "windows": int(n),
+                     "share": float(self.order.shares[i]), "epochs": float(draws[i] / n) if n else 0.0}
+                    for i, (s, n) in enumerate(zip(sources, self.order.counts))]
+        n = len(self.train_samples)
+        return [{"path": s.get("path") or s["type"], "weight": s.get("weight", 1.0),
+                 "share": s["tokens"]["train"] / max(self.train_samples.shard.num_tokens, 1), "epochs": total / n}
+                for s in sources if "tokens" in s]
 
     # ------------------------------------------------------------------- step
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, float]:
