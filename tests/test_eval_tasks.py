@@ -37,7 +37,8 @@ def planted(tmp_path_factory):
     cfg = build_config({
         "run_dir": str(root / "run"),
         "data": {"sources": [{"type": "path", "path": str(corpus)}], "out_dir": str(root / "data"),
-                 "tokenizer": {"vocab_size": 300}, "min_chars": 10, "val_fraction": 0.2},
+                 "tokenizer": {"vocab_size": 300}, "min_chars": 10, "val_fraction": 0.2,
+                 "dedup": {"near": {"enabled": False}}},  # the documents are rotations of one another on purpose
         "model": {"preset": None, "n_layers": 2, "d_model": 64, "n_heads": 4},
         "train": {"steps": 150, "seq_len": 64, "micro_batch_size": 8, "lr": 3e-3, "warmup_steps": 10,
                   "log_interval": 50, "eval_interval": 150, "checkpoint_interval": 150, "final_eval_batches": 2,
