@@ -61,7 +61,8 @@ def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strate
     assert f"data parallelism: {strategy}" in res.stdout
     got, ref = losses(cfg), losses(reference)
     assert sorted(got) == list(range(1, 6))
-    assert all(got[s] == pytest.approx(ref[s], abs=1e-6) for s in ref)
+    # a few fp32 ulps: the ranks' token-loss sums are added in another order than one process adds them
+    assert all(got[s] == pytest.approx(ref[s], rel=1e-6) for s in ref)
     # AdamW's g / sqrt(v) magnifies summation-order rounding on near-zero gradient entries
     assert max_diff(weights(cfg), weights(reference)) <= 2e-4
     plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
