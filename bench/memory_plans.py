@@ -3,7 +3,9 @@
 For a tiny (4-block) and a small (12-block) GPT-NeoX on the CPU, at budgets from keep-all's
 activation memory down to the feasible minimum, every strategy is run on the real model and
 measured: step time (forward + backward, median over interleaved rounds) and activation peak (every
-allocation, `PeakMeter`), each relative to keep-all.
+allocation, `PeakMeter`), each relative to keep-all, beside what the planner predicted for it from
+the profile (`simulate`): per model the median |predicted - measured| / measured step time and the
+Kendall tau between predicted and measured times over every plan that ran.
 
 Strategies: keep-all; full checkpointing (every block recomputed); sqrt(n) segments; the
 recompute-only MILP (Checkmate's problem, tensor level); PyTorch's own automatic budget
@@ -13,11 +15,14 @@ its own keep-all compile (budget 1.0), both side by side with eager keep-all, si
 speeds up a step by itself; eager plans are timed against eager keep-all.
 
 A strategy fits a budget when its measured activation peak is within it. Goal: at every budget
-hetforge's plan is never slower than a baseline that fits (by more than the run's own noise: eager
-keep-all timed twice), and at 50% its overhead is at most half of full checkpointing's. Then the MILP's solve time at 12, 24, 48 and 96 blocks.
+hetforge's plan is never slower than a baseline that fits, where "slower" is a verdict over rounds:
+the 90% bootstrap interval of hetforge's time / the baseline's (paired by round for eager plans,
+which run in the same rounds) lies wholly above 1; and at 50% its overhead is at most half of full
+checkpointing's. Then the MILP's solve time at 12, 24, 48 and 96 blocks.
 
-    .venv/bin/python bench/memory_plans.py            # ~10 minutes on 2 cores
+    .venv/bin/python bench/memory_plans.py            # ~15 minutes on 2 cores
     .venv/bin/python bench/memory_plans.py --quick    # smoke run (no torch.compile)
+    .venv/bin/python bench/memory_plans.py --models small-12 --no-compile   # the eager plans of one model
 
 Last line: one JSON object with the figures.
 """
@@ -27,13 +32,17 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy.stats import bootstrap, kendalltau
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -84,13 +93,34 @@ class Stepper:
         return out
 
 
-def interleaved(runs: dict[str, callable], rounds: int, steps: int) -> dict[str, float]:
-    """Median step time of each run, rounds alternating so that a shared machine's drift hits all."""
+def interleaved(runs: dict[str, callable], rounds: int, steps: int) -> dict[str, list[float]]:
+    """Per run, the median step time of each round (its first step dropped). Rounds alternate the
+    runs, so a shared machine's drift hits all of them alike and round i of two runs is a pair; the
+    order within a round is shuffled per round (seeded), so no run always follows the same one."""
     got: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, fn in runs.items():
-            got[k] += fn(steps)[1:]
-    return {k: statistics.median(v) for k, v in got.items()}
+    order = list(runs)
+    for r in range(rounds):
+        random.Random(r).shuffle(order)
+        for k in order:
+            got[k].append(statistics.median(runs[k](steps)[1:]))
+    return got
+
+
+def ratio_interval(a: list[float], b: list[float], paired: bool, level: float = 0.9) -> tuple[float, float, float]:
+    """median(a / b) over rounds (paired: the same rounds) or median(a) / median(b), and its bootstrap
+    interval over the rounds: a single measurement decides nothing on a machine this noisy."""
+    a_, b_ = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if paired:
+        r = a_ / b_
+        est, data, stat = float(np.median(r)), (r,), lambda x, axis=-1: np.median(x, axis=axis)
+    else:
+        est, data = float(np.median(a_) / np.median(b_)), (a_, b_)
+        stat = lambda x, y, axis=-1: np.median(x, axis=axis) / np.median(y, axis=axis)  # noqa: E731
+    if len(a_) < 2 or np.ptp(np.concatenate(data)) == 0:
+        return est, est, est
+    ci = bootstrap(data, stat, confidence_level=level, method="percentile", n_resamples=4000,
+                   rng=np.random.default_rng(0)).confidence_interval
+    return est, float(ci.low), float(ci.high)
 
 
 def compiled_stepper(cfg: GPTNeoXConfig, state: dict, idx: torch.Tensor, budget: float) -> Stepper:
@@ -139,6 +169,8 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
                 p = solve(prof, budget * (1 + 1e-9), menu)
             except PlanError:
                 continue
+            # by what each block does, so that a decision spelled out equals its named option
+            p.options = [b.name(b.decision(o)) for b, o in zip(prof.blocks, p.options)]
             key = json.dumps([p.options, p.segments])
             key = known.get(key, key)
             plans.setdefault(key, p)
@@ -152,25 +184,29 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
         return go
 
     times = interleaved({**{k: run(p) for k, p in plans.items()}, "keep-all again": run(twin)}, rounds, steps)
-    noise = abs(times["keep-all again"] / times["keep-all"] - 1)
-    tol = max(noise, 0.01)
-    peaks = {}
+    noise = ratio_interval(times["keep-all again"], times["keep-all"], paired=True)
+    peaks, measured = {}, {}
     for k, p in plans.items():
         apply_plan(model, None if k == "keep-all" else p, measure=False)
         peaks[k] = eager.peak()
-        peaks[k + "/predicted"] = simulate(prof, p).activation_peak
+        pred = simulate(prof, p)
+        measured[k] = {"predicted_s": pred.time_s, "measured_s": statistics.median(times[k]),
+                       "predicted_peak": pred.activation_peak, "measured_peak": peaks[k],
+                       "predicted_breakdown": {n: round(v, 5) for n, v in pred.breakdown_time.items()}}
     apply_plan(model, None)
-    ref_t, ref_m = times["keep-all"], peaks["keep-all"]
+    ref_m = peaks["keep-all"]
+    rel = {k: [t / r for t, r in zip(v, times["keep-all"])] for k, v in times.items()}  # per round vs keep-all
 
     compiled = {}
     if use_compile:
         for f in fracs:
             st = compiled_stepper(cfg, state, idx, max(f, 0.0))
             t = interleaved({"compiled": st.times, "eager keep-all": eager.times}, rounds, steps)
-            compiled[f] = {"time_vs_eager_keep": t["compiled"] / t["eager keep-all"], "peak": st.peak()}
-        own = compiled[1.0]["time_vs_eager_keep"]
-        for f in compiled:
-            compiled[f]["time"] = compiled[f]["time_vs_eager_keep"] / own  # vs its own keep-all
+            compiled[f] = {"vs_eager_keep": [c / e for c, e in zip(t["compiled"], t["eager keep-all"])],
+                           "peak": st.peak()}
+        own = statistics.median(compiled[1.0]["vs_eager_keep"])
+        for f in compiled:  # compiled code against its own keep-all compile
+            compiled[f]["rel"] = [x / own for x in compiled[f]["vs_eager_keep"]]
 
     rows, goal_ok, half_ok = [], True, None
     for f in fracs:
@@ -178,22 +214,37 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
         entry = {"budget": round(f, 3)}
         cands = {"keep-all": "keep-all", "full": "full", "sqrt(n)": "sqrt(n)"}
         cands.update({s: chosen[(f, s)] for s in ("recompute-only MILP", "hetforge MILP") if (f, s) in chosen})
-        line = []
+        line, series = [], {}
         for s, key in cands.items():
-            t, m = times[key] / ref_t, peaks[key] / ref_m
+            t, m = statistics.median(rel[key]), peaks[key] / ref_m
             fits = peaks[key] <= cap * 1.0001
-            entry[s] = {"time": round(t, 4), "memory": round(m, 4), "fits": fits}
+            entry[s] = {"time": round(t, 4), "memory": round(m, 4), "fits": fits, "plan": key if key in (
+                "keep-all", "full", "sqrt(n)") else "milp", "predicted_time": round(
+                measured[key]["predicted_s"] / measured["keep-all"]["predicted_s"], 4)}
+            series[s] = (key, rel[key], True)
             line.append(f"{s} {t:.3f}x/{m:.2f}{'' if fits else ' (over)'}")
         if f in compiled:
             c = compiled[f]
             fits = c["peak"] <= cap * 1.0001
-            entry["torch.compile budget"] = {"time": round(c["time"], 4), "memory": round(c["peak"] / ref_m, 4),
-                                             "fits": fits, "time_vs_eager_keep_all": round(c["time_vs_eager_keep"], 4)}
-            line.append(f"torch.compile {c['time']:.3f}x/{c['peak'] / ref_m:.2f}{'' if fits else ' (over)'}")
+            entry["torch.compile budget"] = {"time": round(statistics.median(c["rel"]), 4),
+                                             "memory": round(c["peak"] / ref_m, 4), "fits": fits,
+                                             "time_vs_eager_keep_all": round(statistics.median(c["vs_eager_keep"]), 4)}
+            series["torch.compile budget"] = (None, c["rel"], False)
+            line.append(f"torch.compile {entry['torch.compile budget']['time']:.3f}x/{c['peak'] / ref_m:.2f}"
+                        f"{'' if fits else ' (over)'}")
         het = entry.get("hetforge MILP")
         if het:
-            beaten = [s for s, v in entry.items()
-                      if s not in ("budget", "hetforge MILP") and v["fits"] and v["time"] * (1 + tol) < het["time"]]
+            hkey = chosen[(f, "hetforge MILP")]
+            beaten, verdicts = [], {}
+            for s, (key, r, same_rounds) in series.items():
+                if s == "hetforge MILP" or not entry[s]["fits"] or key == hkey:
+                    continue
+                # hetforge's time / the baseline's: "slower" only when the whole interval is above 1
+                est, lo, hi = ratio_interval(rel[hkey], r, paired=same_rounds)
+                verdicts[s] = [round(est, 4), round(lo, 4), round(hi, 4)]
+                if lo > 1.0:
+                    beaten.append(s)
+            entry["hetforge_vs"] = verdicts
             if beaten:
                 goal_ok = False
                 entry["beaten_by"] = beaten
@@ -201,14 +252,32 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
                 half_ok = (het["time"] - 1) <= 0.5 * (entry["full"]["time"] - 1)
                 entry["overhead_vs_full"] = round((het["time"] - 1) / max(entry["full"]["time"] - 1, 1e-9), 4)
         rows.append(entry)
-        print(f"budget {f:5.0%}: " + " | ".join(line), flush=True)
-    het_pred = [(peaks[chosen[(f, 'hetforge MILP')]], peaks[chosen[(f, 'hetforge MILP')] + "/predicted"])
-                for f in fracs if (f, "hetforge MILP") in chosen]
-    pred_err = max(abs(m / p - 1) for m, p in het_pred)
-    print(f"(time / memory relative to keep-all; keep-all against itself {noise:.1%}, so 'slower' means by more "
-          f"than {tol:.1%}; hetforge's measured activation peak within {pred_err:.1%} of its prediction)")
-    return {"model": name, "blocks": n, "min_fraction": round(min_frac, 4), "rows": rows, "noise": round(noise, 4),
+        print(f"budget {f:5.0%}: " + " | ".join(line) + (f"   <- slower than {', '.join(entry['beaten_by'])}"
+                                                         if entry.get("beaten_by") else ""), flush=True)
+
+    # how well the profile priced every plan that ran (absolute seconds and bytes, as the planner sees them)
+    pt = [measured[k]["predicted_s"] for k in plans]
+    mt = [measured[k]["measured_s"] for k in plans]
+    time_err = statistics.median(abs(p / m - 1) for p, m in zip(pt, mt))
+    tau = float(kendalltau(pt, mt).statistic) if len(plans) > 2 else float("nan")
+    het_keys = {chosen[(f, "hetforge MILP")] for f in fracs if (f, "hetforge MILP") in chosen}
+    pred_err = max(abs(measured[k]["measured_peak"] / measured[k]["predicted_peak"] - 1) for k in het_keys)
+    print(f"(time / memory relative to keep-all, medians over {rounds} interleaved rounds; 'slower' = the 90% "
+          f"bootstrap interval of the time ratio over rounds lies above 1 (keep-all against itself: "
+          f"{noise[0]:.3f} [{noise[1]:.3f}, {noise[2]:.3f}]); hetforge's measured activation peak within "
+          f"{pred_err:.1%} of its prediction)")
+    print(f"predicted vs measured step time over {len(plans)} plans: median |error| {time_err:.1%}, Kendall tau "
+          f"{tau:.2f}")
+    for k in plans:
+        m = measured[k]
+        print(f"  {k[:60]:60s} predicted {m['predicted_s'] * 1e3:7.1f} ms, measured {m['measured_s'] * 1e3:7.1f} ms "
+              f"({m['measured_s'] / m['predicted_s'] - 1:+.1%}) {m['predicted_breakdown']}", flush=True)
+    return {"model": name, "blocks": n, "min_fraction": round(min_frac, 4), "rows": rows,
+            "noise": [round(x, 4) for x in noise],
             "never_slower_than_a_fitting_baseline": goal_ok, "half_of_full_overhead_at_50": half_ok,
+            "median_time_error": round(time_err, 4), "kendall_tau": round(tau, 4),
+            "plans": {k: {**{n: (round(v, 6) if isinstance(v, float) else v) for n, v in m.items()},
+                          "rounds_s": [round(x, 6) for x in times[k]]} for k, m in measured.items()},
             "max_peak_prediction_error": round(pred_err, 4),
             "solve_seconds_max": round(max(solve_s.values()), 4)}
 
@@ -228,7 +297,7 @@ def solve_times(cfg: GPTNeoXConfig, batch: int, seq: int) -> dict:
             lo = minimum_budget(deep, menu_for(g))
             for label, budget in (("50%", lo + 0.5 * (keep - lo)), ("minimum", lo)):
                 p = solve(deep, budget, menu_for(g), time_limit_s=60, gap=0.01)
-                out[f"{n}/{g}/{label}"] = {"seconds": round(p.solve["seconds"], 3), "gap": round(p.solve["gap"], 5),
+                out[f"{n}/{g}/{label}"] = {"seconds": round(p.solve["seconds"], 3), "gap": round(p.solve["gap"], 5) if math.isfinite(p.solve["gap"]) else None,
                                            "status": p.solve["status"]}
                 print(f"{n:3d} blocks, {g:6s}, budget {label:7s}: {p.solve['seconds']:6.2f} s, gap "
                       f"{p.solve['gap']:.2%} ({p.solve['status']}), {p.solve['variables']} variables", flush=True)
@@ -238,17 +307,25 @@ def solve_times(cfg: GPTNeoXConfig, batch: int, seq: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer rounds, no torch.compile")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
     args = ap.parse_args()
-    rounds, steps = (1, 3) if args.quick else (args.rounds, args.steps)
+    rounds, steps = (2, 3) if args.quick else (args.rounds, args.steps)
     batch, seq = 4, 256
-    results = [bench_model(k, cfg, batch, seq, rounds, steps, use_compile=not args.quick) for k, cfg in MODELS.items()]
+    names = [m for m in args.models.split(",") if m]
+    if unknown := [m for m in names if m not in MODELS]:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    results = [bench_model(k, MODELS[k], batch, seq, rounds, steps, use_compile=not (args.quick or args.no_compile))
+               for k in names]
     print("\n== MILP solve time (GPU-like copies)")
     solve = solve_times(MODELS["small-12"], batch, seq)
     out = {
         "bench": "memory_plans",
         "never_slower_than_a_fitting_baseline": all(r["never_slower_than_a_fitting_baseline"] for r in results),
+        "median_time_error": max(r["median_time_error"] for r in results),  # the worse model's
+        "kendall_tau": min(r["kendall_tau"] for r in results),
         "half_of_full_overhead_at_50": all(r["half_of_full_overhead_at_50"] is not False for r in results),
         "ratio": next((r["rows"][i]["overhead_vs_full"] for r in results for i in range(len(r["rows"]))
                        if "overhead_vs_full" in r["rows"][i]), None),
