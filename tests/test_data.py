@@ -92,6 +92,27 @@ def test_clean_text_normalises_unicode_and_whitespace():
     assert clean_text(raw, "none").startswith("ﬁne")
 
 
+def test_clean_text_strips_every_line_of_every_unicode_space():
+    """Each line: runs of spaces, tabs and no-break spaces made one space, then str.strip(), as the
+    line-by-line definition does; checked on random texts over every whitespace character."""
+    import random
+    import re
+
+    spaces = [chr(c) for c in range(0x110000) if chr(c).isspace()]
+    runs = re.compile(r"[ \t\u00a0]{2,}|[\t\u00a0]")
+
+    def by_lines(text: str) -> str:
+        text = re.sub(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]", "", text.replace("\r\n", "\n").replace("\r", "\n"))
+        text = "\n".join(runs.sub(" ", line).strip() for line in text.split("\n"))
+        return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+    rng = random.Random(0)
+    alphabet = spaces + ["a", "b", ".", "\n", "\n", "\r\n", "\x07", "é"]
+    for _ in range(20_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24)))
+        assert clean_text(text, "none") == by_lines(text), repr(text)
+
+
 def test_tokenizer_round_trip_and_specials(tmp_path):
     texts = [_doc(i) for i in range(20)]
     tok = train_bpe(texts, vocab_size=400)

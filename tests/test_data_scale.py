@@ -325,3 +325,19 @@ def test_a_run_on_weighted_sources_draws_them_by_weight_and_resumes_exactly(tmp_
     a = read_metrics(tmp_path / "whole" / "metrics.jsonl")["train"]
     b = read_metrics(tmp_path / "halves" / "metrics.jsonl")["train"]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]  # the same samples in the same order
+
+
+def test_word_hashes_are_crc32_and_their_memo_stays_bounded(monkeypatch):
+    import zlib
+
+    from hetforge.data import dedup
+
+    small = dedup._WordHashes(limit=5)
+    monkeypatch.setattr(dedup, "_WORD_HASHES", small)
+    doc = text(7, 300)
+    got = shingles(doc, 3)
+    assert len(small) <= 5
+    words = dedup._words(doc)
+    h = np.array([zlib.crc32(w.encode()) for w in words], dtype=np.uint64)
+    want = h[:-2] * dedup._NGRAM_MUL * dedup._NGRAM_MUL + h[1:-1] * dedup._NGRAM_MUL + h[2:]
+    assert np.array_equal(got, want)

@@ -287,7 +287,9 @@ def clean_text(text: str, normalize: str) -> str:
         text = unicodedata.normalize(normalize, text)
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     text = _CONTROL.sub("", text)
-    text = "\n".join(_SPACES.sub(" ", line).strip() for line in text.split("\n"))
+    if "  " in text or "\t" in text or "\u00a0" in text:  # else nothing matches: skip the scan (~50 MB/s)
+        text = _SPACES.sub(" ", text)  # no match spans a newline, so the whole text at once
+    text = "\n".join(line.strip() for line in text.split("\n"))
     return _BLANK_LINES.sub("\n\n", text).strip()
 
 

@@ -77,6 +77,25 @@ def shingles(text: str, n: int) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
 
 
+class _WordHashes(dict):
+    """crc32 of a word, remembered: word frequencies are Zipfian, so most lookups hit (a dict lookup
+    costs a fifth of encoding and hashing the word). Cleared when it reaches `limit` entries, so its
+    memory stays bounded whatever the corpus."""
+
+    def __init__(self, limit: int = 1 << 20):
+        super().__init__()
+        self.limit = limit
+
+    def __missing__(self, word: str) -> int:
+        if len(self) >= self.limit:
+            self.clear()
+        h = self[word] = zlib.crc32(word.encode())
+        return h
+
+
+_WORD_HASHES = _WordHashes()
+
+
 def shingle_segments(text: str, n: int):
     """The n-gram hashes a segment of text at a time (the last n-1 words of a segment lead the
     next, so no n-gram is lost at a cut)."""
@@ -90,7 +109,7 @@ def shingle_segments(text: str, n: int):
         words = carry + _words(text[pos:end])
         pos = end
         if len(words) >= n:
-            h = np.fromiter((zlib.crc32(w.encode()) for w in words), dtype=np.uint64, count=len(words))
+            h = np.fromiter(map(_WORD_HASHES.__getitem__, words), dtype=np.uint64, count=len(words))
             m = len(words) - n + 1
             g = h[:m].copy()
             for j in range(1, n):
