@@ -30,9 +30,23 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
 def run_train(cfg, nproc: int, tmp_path, *extra, timeout=240, max_restarts=0) -> subprocess.CompletedProcess:
     path = tmp_path / f"{Path(cfg.run_dir).name}-{nproc}.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    res = subprocess.run(torchrun_cmd(nproc, "-m", "hetforge", "train", str(path), *extra, max_restarts=max_restarts),
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    return res
+    cmd = torchrun_cmd(nproc, "-m", "hetforge", "train", str(path), *extra, max_restarts=max_restarts)
+    # its own session, so that a hung launch can be signalled whole; faulthandler prints every rank's
+    # stacks on SIGABRT, so the failure says where each rank was waiting
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} still running after {timeout}s; its output:\n{out[-4000:]}\n"
+                             f"stacks:\n{err[-12000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def losses(cfg) -> dict[int, float]:
