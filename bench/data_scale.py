@@ -256,8 +256,12 @@ def main() -> None:
         figures["rss_ratio_1g_100m"] = runs[large]["peak_rss"] / runs[small]["peak_rss"]
         mid_mb = corpus_bytes(corpora[mid]) / MB
         figures["mb_per_s_1_worker"] = mid_mb / runs[mid]["seconds"]
-        two = run_prepare({**base, "sources": [{"path": str(work / f"corpus-{mid // MB}")}],
-                           "out_dir": str(work / f"out-{mid // MB}-w2"), "workers": 2}, work, "w2")
+        def two_workers(name: str, **over) -> dict:
+            """The mid-size corpus prepared by 2 workers into out-MB-NAME."""
+            return run_prepare({**base, **over, "sources": [{"path": str(work / f"corpus-{mid // MB}")}],
+                                "out_dir": str(work / f"out-{mid // MB}-{name}"), "workers": 2}, work, name)
+
+        two = two_workers("w2")
         figures["mb_per_s_2_workers"] = mid_mb / two["seconds"]
         same = (work / f"out-{mid // MB}-w1" / "train.bin").read_bytes() == (work / f"out-{mid // MB}-w2" / "train.bin").read_bytes()
         figures["same_output_1_and_2_workers"] = same
@@ -268,9 +272,7 @@ def main() -> None:
         figures["vs_tokenizers_limit"] = figures["mb_per_s_2_workers"] / limit
         figures["vs_tokenizers_limit_1_worker"] = figures["mb_per_s_1_worker"] / limit
         # the same with exact dedup only: what MinHash signing costs beside encoding
-        exact = run_prepare({**base, "dedup": {"near": {"enabled": False}},
-                             "sources": [{"path": str(work / f"corpus-{mid // MB}")}],
-                             "out_dir": str(work / f"out-{mid // MB}-w2-exact"), "workers": 2}, work, "w2-exact")
+        exact = two_workers("w2-exact", dedup={"near": {"enabled": False}})
         figures["mb_per_s_2_workers_exact_only"] = mid_mb / exact["seconds"]
         figures["vs_tokenizers_limit_exact_only"] = figures["mb_per_s_2_workers_exact_only"] / limit
         print(f"{mid_mb:.0f} MB: 1 worker {figures['mb_per_s_1_worker']:.2f} MB/s | 2 workers "

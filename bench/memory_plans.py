@@ -297,8 +297,8 @@ def solve_times(cfg: GPTNeoXConfig, batch: int, seq: int) -> dict:
             lo = minimum_budget(deep, menu_for(g))
             for label, budget in (("50%", lo + 0.5 * (keep - lo)), ("minimum", lo)):
                 p = solve(deep, budget, menu_for(g), time_limit_s=60, gap=0.01)
-                out[f"{n}/{g}/{label}"] = {"seconds": round(p.solve["seconds"], 3), "gap": round(p.solve["gap"], 5) if math.isfinite(p.solve["gap"]) else None,
-                                           "status": p.solve["status"]}
+                gap = round(p.solve["gap"], 5) if math.isfinite(p.solve["gap"]) else None  # JSON has no Infinity
+                out[f"{n}/{g}/{label}"] = {"seconds": round(p.solve["seconds"], 3), "gap": gap, "status": p.solve["status"]}
                 print(f"{n:3d} blocks, {g:6s}, budget {label:7s}: {p.solve['seconds']:6.2f} s, gap "
                       f"{p.solve['gap']:.2%} ({p.solve['status']}), {p.solve['variables']} variables", flush=True)
     return out

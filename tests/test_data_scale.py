@@ -307,8 +307,8 @@ def test_a_run_on_weighted_sources_draws_them_by_weight_and_resumes_exactly(tmp_
             "data": {"sources": [{"path": str(dirs[0]), "weight": 0.25}, {"path": str(dirs[1]), "weight": 4.0}],
                      "out_dir": str(tmp_path / "data"), "tokenizer": {"vocab_size": 400}},
             "model": {"preset": None, "n_layers": 1, "d_model": 32, "n_heads": 2},
-            "train": {"steps": 6, "warmup_steps": 2, "seq_len": 32, "micro_batch_size": 4, "log_interval": 1, "eval_interval": 1000,
-                      "checkpoint_interval": 3, "peak_tflops": 1.0, "tensorboard": False, "progress": False,
+            "train": {"steps": 6, "warmup_steps": 2, "seq_len": 32, "micro_batch_size": 4, "log_interval": 1,
+                      "eval_interval": 1000, "checkpoint_interval": 3, "peak_tflops": 1.0, "tensorboard": False, "progress": False,
                       "num_threads": 1}})
 
     whole = cfg("whole")
