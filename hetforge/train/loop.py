@@ -30,6 +30,7 @@ ranks.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import resource
@@ -296,6 +297,8 @@ def train(
         raise
     finally:
         if ctx.distributed:
+            if trainer is not None:
+                trainer.release()
             shutdown(ctx)
 
 
@@ -897,6 +900,18 @@ class Trainer:
                 if stopping:
                     break
         return self.finish(stop.signum)
+
+    def release(self) -> None:
+        """Drop the wrapped model and optimizer while the process group is still registered.
+
+        Otherwise DDP's reducer can hold the last reference to the gloo group, and its destructor
+        (run holding the GIL) joins gloo's worker threads while one of them waits for the GIL to
+        free the tensors of the final barrier: the process never exits. Dropped here, the group's
+        last reference goes with `destroy_process_group`, whose binding releases the GIL."""
+        for name in ("par", "optimizer", "model", "params", "timer", "mesh", "check"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+        gc.collect()
 
     def finish(self, signum: int | None) -> TrainResult:
         st, tc, ctx = self.state, self.cfg.train, self.ctx
