@@ -37,7 +37,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 8
+PROFILE_VERSION = 9
 
 
 def _sync(device: torch.device) -> None:
@@ -45,14 +45,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device, repeats: int) -> float:
+def _timed(fn, device, repeats: int, min_seconds: float = 0.0) -> float:
+    """Median time of `fn` over at least `repeats` calls (after a warm-up) and `min_seconds`."""
     times = []
-    for i in range(repeats + 1):  # first is warm-up
+    start, i = time.perf_counter(), 0
+    while i <= repeats or (time.perf_counter() - start < min_seconds and i <= 8 * repeats):
+        i += 1
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
-        if i:
+        if i > 1:  # the first call warms up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -207,7 +210,7 @@ def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]]) -> list
 
 
 def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-                  repeats: int = 3) -> BlockProfile:
+                  repeats: int = 3, min_seconds: float = 0.0) -> BlockProfile:
     torch.manual_seed(0)
     block = Block(cfg).to(device)
     rot = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base).to(device)
@@ -281,11 +284,12 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
-    step = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device, max(2 * repeats, 7))
+    extra, fwd_s, bwd_s = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device,
+                                      max(2 * repeats, 7), min_seconds)
     recompute = {}
     for br in BRANCHES:
         names = [n for n in clocks[0].bytes if n.startswith(br + ".")]
-        plain, sac_all, sac = (max(0.0, step[f"{br}/{k}"] - step["keep"]) for k in ("plain", "sac_all", "sac"))
+        plain, sac_all, sac = (max(0.0, extra[f"{br}/{k}"]) for k in ("plain", "sac_all", "sac"))
         sac = max(sac, sac_all)
         recompute[br] = {"plain": plain, "sac": sac, "sac_all": sac_all}
         weights = {n: statistics.median(c.time.get(n, 0.0) for c in clocks) for n in names}
@@ -293,20 +297,39 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for n in names:
             units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=(sac - sac_all) * weights[n] / total))
 
-    fwd_s, bwd_s = _fwd_bwd_times(block, x0, grad, cos, sin, ac, device, repeats)
     return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute)
 
 
 def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin, ac, device,
-                rounds: int) -> dict[str, float]:
-    """Median forward + backward time of the block under each option, the options interleaved
-    round by round so that a shared machine's drift hits them alike (their differences matter)."""
+                rounds: int, min_seconds: float = 0.0) -> tuple[dict[str, float], float, float]:
+    """Per option (but "keep"), the median over rounds of its forward + backward time less keep's in
+    the same round; and the plain block's forward and backward (what keep-all runs). The options
+    are interleaved round by round and their differences taken within a round, so that a shared
+    machine's drift, which moves every option alike, cancels out of the prices of recomputation
+    (a few percent of a block: a median of whole times, each off by the drift, would bury them).
+    Rounds go on until `min_seconds` have passed: a CPU measured for a few milliseconds is measured
+    in a burst (turbo, an idle neighbour) that the minutes of a training run do not keep."""
     runners = {}
     for k, option in variants.items():
         runners[k] = PlanRunner(Plan([option]), params, cfg.parallel_residual, random=cfg.dropout > 0)
         runners[k].measure = False
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds + 1):
+    plain: list[tuple[float, float]] = []
+
+    def run_plain() -> tuple[float, float]:
+        x = x0.detach().requires_grad_(True)
+        _sync(device)
+        t0 = time.perf_counter()
+        with ac():
+            out = block(x, cos, sin)
+        _sync(device)
+        t1 = time.perf_counter()
+        out.backward(grad)
+        _sync(device)
+        return t1 - t0, time.perf_counter() - t1
+
+    start, r = time.perf_counter(), 0
+    while r <= rounds or (time.perf_counter() - start < min_seconds and r <= 8 * rounds):
         for k, runner in runners.items():
             handles = runner.install_labels([block])
             x = x0.detach().requires_grad_(True)
@@ -320,31 +343,17 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
                 times[k].append(time.perf_counter() - t0)
             for hd in handles:
                 hd.remove()
+        fb = run_plain()
+        if r:
+            plain.append(fb)
+        r += 1
     block.zero_grad(set_to_none=False)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def _fwd_bwd_times(block, x0, grad, cos, sin, ac, device, repeats) -> tuple[float, float]:
-    def fwd_bwd():
-        x = x0.detach().requires_grad_(True)
-        _sync(device)
-        t0 = time.perf_counter()
-        with ac():
-            out = block(x, cos, sin)
-        _sync(device)
-        t1 = time.perf_counter()
-        out.backward(grad)
-        _sync(device)
-        t2 = time.perf_counter()
-        block.zero_grad(set_to_none=True)
-        return t1 - t0, t2 - t1
-
-    runs = [fwd_bwd() for _ in range(repeats + 1)][1:]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    extra = {k: statistics.median(t - base for t, base in zip(v, times["keep"])) for k, v in times.items() if k != "keep"}
+    return extra, statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain)
 
 
 def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-                 repeats: int = 3) -> tuple[float, float, float, float]:
+                 repeats: int = 3, min_seconds: float = 0.0) -> tuple[float, float, float, float]:
     torch.manual_seed(0)
     norm = torch.nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps).to(device)
     out = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False).to(device)
@@ -377,8 +386,8 @@ def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str,
     def fwd():
         return step()[2]
 
-    fwd_s = _timed(fwd, device, repeats)
-    total = _timed(lambda: fwd().backward(), device, repeats)
+    fwd_s = _timed(fwd, device, repeats, min_seconds / 2)
+    total = _timed(lambda: fwd().backward(), device, repeats, min_seconds / 2)
     return fwd_s, max(total - fwd_s, 0.0), held, peak
 
 
@@ -393,9 +402,14 @@ def profile_model(
     cache_dir: str | Path | None = None,
     repeats: int = 3,
     fp32_matmul: bool = False,
+    min_seconds: float | None = None,
 ) -> ModelProfile:
     """The profile the planner needs; cached as JSON under `cache_dir` when given. `fp32_matmul`
-    runs 16-bit matmuls in fp32 (`Fp32Matmul`): bytes as measured, times not those of the device."""
+    runs 16-bit matmuls in fp32 (`Fp32Matmul`): bytes as measured, times not those of the device.
+    The block's times are measured over at least `min_seconds` (default 0.4 s per repeat), the
+    head's over a quarter of that."""
+    if min_seconds is None:
+        min_seconds = 0.4 * repeats
     device = torch.device(device)
     path = None
     if cache_dir is not None:
@@ -409,8 +423,8 @@ def profile_model(
     # the profile seeds its own random block: the run's random stream must not notice
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             (Fp32Matmul() if fp32_matmul else contextlib.nullcontext()):
-        block = profile_block(cfg, micro_batch, seq, precision, device, repeats)
-        hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats)
+        block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds)
+        hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats, min_seconds / 4)
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
         static=static_bytes(cfg, optimizer),
