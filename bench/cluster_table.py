@@ -34,7 +34,9 @@ from hetforge.model.accounting import (  # noqa: E402
     collective_bytes_per_step,
     count_parameters,
     flops_per_token,
+    parameter_sizes,
     sharded_static_bytes,
+    state_shares,
 )
 from hetforge.model.presets import PRESETS  # noqa: E402
 
@@ -46,6 +48,7 @@ CLUSTERS = {
     "4x V100-16GB + 4x P100-16GB": ["V100"] * 4 + ["P100"] * 4,
     "16x T4": ["T4"] * 16,
     "4x A100-40GB": ["A100-40GB"] * 4,
+    "2x V100-32GB + 2x V100-16GB": ["V100-32GB"] * 2 + ["V100"] * 2,
 }
 
 
@@ -62,15 +65,27 @@ def row(cluster: str, preset: str) -> dict:
     needs = [RankNeed(r, c.name, usable_bytes(c), activation_floor(shape)) for r, c in enumerate(cards)]
     out = {"cluster": cluster, "preset": preset, "params_b": count_parameters(shape)["total"] / 1e9,
            "precision": precision}
+    budgets = [n.budget for n in needs]
+    # ZeRO-1 splits the optimizer state in proportion to memory where the cards differ (FSDP2 evenly)
+    shares = state_shares(parameter_sizes(shape), budgets) if len(set(budgets)) > 1 else None
     try:
-        strategy, why = choose_strategy(shape, "adamw", needs, len(cards), gather)
+        strategy, why = choose_strategy(shape, "adamw", needs, len(cards), gather, state_shares=shares)
     except NoStrategyFits:
         fsdp = sum(sharded_static_bytes(shape, "adamw", "fsdp", len(cards), gather_bytes=gather).values())
         out.update(strategy=None, fits=False, per_rank_gib=fsdp / 2**30,
                    usable_gib=min(n.budget for n in needs) / 2**30, tokens_per_s=0.0)
         return out
+    # the bytes on the smallest card (the first of them)
+    small = min(range(len(cards)), key=lambda r: budgets[r])
+    share = shares[small] if shares and strategy == "zero1" else None
     static = sum(sharded_static_bytes(shape, "adamw", strategy, len(cards) if strategy != "ddp" else 1,
-                                      gather_bytes=gather).values())
+                                      gather_bytes=gather, state_share=share).values())
+    out["state_shares"] = shares if strategy == "zero1" else None
+    if shares:  # what equal parts would have taken
+        try:
+            out["strategy_equal_shares"] = choose_strategy(shape, "adamw", needs, len(cards), gather)[0]
+        except NoStrategyFits:
+            out["strategy_equal_shares"] = None
     flops = flops_per_token(shape, SEQ) * (1 + 1 / 3)  # full recomputation repeats the forward
     rate = sum(c.peak_tflops(precision) * 1e12 * EFFICIENCY for c in cards) / flops  # tokens/s, balanced
     compute_s = GLOBAL_BATCH * SEQ / rate
@@ -93,7 +108,9 @@ def main() -> None:
         f"activation floor at micro-batch 1) against the smallest card's usable memory, and the predicted "
         f"tokens/s at a global batch of {GLOBAL_BATCH} x {SEQ} tokens: the FLOPs (with recomputation) at "
         f"{EFFICIENCY:.0%} of the datasheet peak, or the collectives at {LINK_GBPS['intra']:g} GB/s per rank, "
-        "whichever is longer. Memory-proportional shards are not modelled: every card holds 1/W.",
+        "whichever is longer. Per card: the smallest card's bytes. Where the cards' memory differs, ZeRO-1 "
+        "gives each card a share of the optimizer state in proportion to its memory (`parallel.state_shares: "
+        "memory`); FSDP2's shards are even (1/W).",
         "",
         "| cluster | preset | params | precision | strategy | per card / usable (GiB) | bound | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
@@ -105,6 +122,12 @@ def main() -> None:
             continue
         lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | {r['precision']} | {r['strategy']} | "
                      f"{r['per_rank_gib']:.1f} / {r['usable_gib']:.1f} | {r['bound']} | {r['tokens_per_s']:,.0f} |")
+    for r in rows:
+        if r.get("state_shares") and r.get("strategy_equal_shares") != r["strategy"]:
+            lines += ["", f"On {r['cluster']}, {r['preset']} takes zero1 because each card holds optimizer state in "
+                      f"proportion to its memory ({', '.join(f'{x:.0%}' for x in r['state_shares'])}); with equal "
+                      f"parts the smallest cards could not hold theirs beside the weights and gradients, and "
+                      f"auto would take {r['strategy_equal_shares'] or 'nothing'}."]
     lines += ["", "FORGE-m and FORGE-l need more cards than these clusters have, or `parallel.offload: params` "
               "(FSDP2's CPU offload: weights, gradients and optimizer shards in host memory, the step on the host), "
               "which this table does not price.", ""]

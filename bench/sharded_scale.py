@@ -17,9 +17,15 @@ memory budget, speed against DeepSpeed's ZeRO-3, and heterogeneous balance under
 3. One rank made 2x slower (`slowdown: 2`): FSDP's balanced split (equal micro-batch counts,
    unequal sizes) against the equal split, step time ratio, global batch 96 x 256 tokens (see
    HETERO_BATCH). Goal <= 0.70; the ideal (no fixed cost) is 0.6875.
+4. ZeRO-1 on two ranks of 512 and 256 MiB: the deepest model that trains with the optimizer state
+   in proportion to memory (`parallel.state_shares: memory`) against equal parts, settled the same
+   way as part 1 (key `zero1_memory_ratio`). Weights and gradients stay whole on every rank under
+   ZeRO-1, so the gain is bounded by the state's part: 12 bytes a parameter on the small rank with
+   equal parts, 8 + 8/3 by memory, at most 1.125x.
 
     .venv/bin/python bench/sharded_scale.py          # ~10 minutes on 2 cores
     .venv/bin/python bench/sharded_scale.py --quick
+    .venv/bin/python bench/sharded_scale.py --only-zero1-memory   # part 4 only (~3 minutes)
 
 Last line: one JSON object with the figures.
 """
@@ -61,14 +67,16 @@ HETERO_BATCH, HETERO_SEQ = 96, 256
 
 
 def config(work: Path, name: str, nproc: int, strategy: str, steps: int, global_batch: int, *, layers=None,
-           memory_gb=None, slowdown=1.0, balance="equal", micro=8, seq=None) -> Path:
+           memory_gb=None, slowdown=1.0, balance="equal", micro=8, seq=None, state_shares="memory") -> Path:
+    """`memory_gb`: every rank's, or a list of each rank's."""
     model = {"preset": "tiny"} if layers is None else {"preset": None, "n_layers": layers, "d_model": BIG_WIDTH,
                                                         "n_heads": BIG_HEADS}
     seq = seq or (SEQ if layers is None else BIG_SEQ)
     devices = [{"type": "cpu"} for _ in range(nproc)]
-    for d in devices:
-        if memory_gb:
-            d["memory_gb"] = memory_gb
+    memories = memory_gb if isinstance(memory_gb, list) else [memory_gb] * nproc
+    for d, m in zip(devices, memories):
+        if m:
+            d["memory_gb"] = m
     if slowdown > 1:
         devices[-1].update(slowdown=slowdown)
     cfg = {
@@ -80,7 +88,7 @@ def config(work: Path, name: str, nproc: int, strategy: str, steps: int, global_
                   "checkpoint_interval": 10**9, "final_eval_batches": 1, "tensorboard": False, "progress": False,
                   "peak_tflops": 1.0, "save_checkpoints": False},
         "cluster": {"balance": balance, "rebalance": False, "nodes": [{"host": "localhost", "devices": devices}]},
-        "parallel": {"strategy": strategy},
+        "parallel": {"strategy": strategy, "state_shares": state_shares},
         "memory": {"optimizer_offload": "off"},
     }
     path = work / f"{name}.yaml"
@@ -114,15 +122,17 @@ def deepest(strategy: str, world: int, budget: float, act: float) -> int:
         layers += 1
 
 
-def largest_model(work: Path, strategy: str, world: int) -> dict:
-    budget = BUDGET_MB * 2**20
+def largest_model(work: Path, strategy: str, world: int, budgets_mb: list[float] | None = None,
+                  state_shares: str = "memory") -> dict:
+    budgets_mb = budgets_mb or [BUDGET_MB] * world
+    tag = "" if len(set(budgets_mb)) == 1 else f"-{state_shares}"
 
     def trains(layers: int) -> subprocess.CompletedProcess:
-        name = f"max-{strategy}-w{world}-{layers}"
-        return launch(config(work, name, world, strategy, 1, world, layers=layers, memory_gb=BUDGET_MB / 1024,
-                             micro=1), world)
+        name = f"max-{strategy}{tag}-w{world}-{layers}"
+        return launch(config(work, name, world, strategy, 1, world, layers=layers,
+                             memory_gb=[b / 1024 for b in budgets_mb], micro=1, state_shares=state_shares), world)
 
-    layers = deepest(strategy, world, budget, _act_per_layer(work))
+    layers = deepest(strategy, world, min(budgets_mb) * 2**20, _act_per_layer(work))
     runs = {layers: trains(layers)}
     while runs[layers].returncode != 0 and layers > 1:  # the guess was too deep
         layers -= 1
@@ -136,12 +146,13 @@ def largest_model(work: Path, strategy: str, world: int) -> dict:
         layers += 1
     lines = runs[layers + 1].stderr.strip().splitlines()
     refused = next((line for line in lines if line.startswith("error:")), " ".join(lines[-1:]))
-    ev = next(e for e in read_metrics(work / f"max-{strategy}-w{world}-{layers}" / "metrics.jsonl")["event"]
+    ev = next(e for e in read_metrics(work / f"max-{strategy}{tag}-w{world}-{layers}" / "metrics.jsonl")["event"]
               if e["event"] == "state_bytes")
-    held = max(sum(v for k, v in r.items() if k != "rank") for r in ev["ranks"])
+    held = [sum(v for k, v in r.items() if k not in ("rank", "predicted")) for r in ev["ranks"]]
     shape = GPTNeoXConfig(layers, BIG_WIDTH, BIG_HEADS, 4 * BIG_WIDTH, VOCAB)
-    return {"layers": layers, "params": count_parameters(shape)["total"], "held_bytes": held,
-            "within_budget": held <= budget, "deeper_refused": True, "refusal": refused}
+    return {"layers": layers, "params": count_parameters(shape)["total"], "held_bytes": max(held),
+            "held_bytes_per_rank": held, "within_budget": all(h <= b * 2**20 for h, b in zip(held, budgets_mb)),
+            "deeper_refused": True, "refusal": refused}
 
 
 _ACT: list[float] = []
@@ -165,6 +176,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-largest", action="store_true", help="only the speed and balance parts")
+    ap.add_argument("--only-zero1-memory", action="store_true", help="only part 4")
     args = ap.parse_args()
     steps, B = (6, 8) if args.quick else (12, 16)
     rounds = 1 if args.quick else 3
@@ -173,6 +185,20 @@ def main() -> None:
                                    "tokenizer": {"vocab_size": VOCAB}}}).data, progress=False, verbose=False)
     work = Path(tempfile.mkdtemp(prefix="hetforge-sharded-"))
     figures: dict = {}
+
+    # 4. ZeRO-1 on ranks of unequal memory: the optimizer state in proportion to memory against equal parts
+    if not args.quick:
+        budgets = [BUDGET_MB, BUDGET_MB / 2]
+        runs = {how: largest_model(work, "zero1", 2, budgets, how) for how in ("equal", "memory")}
+        figures["zero1_memory_ratio"] = runs["memory"]["params"] / runs["equal"]["params"]
+        figures["zero1_by_memory"], figures["zero1_equal"] = runs["memory"], runs["equal"]
+        print(f"ZeRO-1 on ranks of {budgets[0]:g} and {budgets[1]:g} MiB: equal parts {runs['equal']['layers']} layers "
+              f"({runs['equal']['params'] / 1e6:.1f}M), parts by memory {runs['memory']['layers']} layers "
+              f"({runs['memory']['params'] / 1e6:.1f}M): {figures['zero1_memory_ratio']:.2f}x; held per rank "
+              f"{[round(h / 2**20) for h in runs['memory']['held_bytes_per_rank']]} MiB", flush=True)
+    if args.only_zero1_memory:
+        print(json.dumps({"bench": "sharded_scale", **figures}))
+        return
 
     ddp = largest_model(work, "ddp", 2) if not args.skip_largest else None
     for world in (2, 4) if ddp else ():

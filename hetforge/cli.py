@@ -330,7 +330,8 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     link_bps = (pc.link_gbps or 10.0) * 1e9
     gather = 4 if precision == "fp32" else 2
     plan = plan_cluster(model_cfg, cfg.memory, kinds, pc.strategy, candidate_sizes(cfg.train.micro_batch_size),
-                        cfg.train.global_batch_size, seq, link_bps, opt, gather, pc.offload, pc.mesh.shard)
+                        cfg.train.global_batch_size, seq, link_bps, opt, gather, pc.offload, pc.mesh.shard,
+                        pc.state_shares == "memory")
     t = Table(title=f"cluster plan for {cfg.name} ({model_cfg.n_layers} x d{model_cfg.d_model}, seq {seq}): "
                     f"{plan.strategy} over {sum(k.count for k in kinds)} ranks")
     for col in ("device", "count", "memory", "strategy", "micro-batch", "plan", "predicted peak", "step ms", "samples/s"):
@@ -345,11 +346,15 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
         dp = kp.plan
         rows.append({"device": k.name, "count": k.count, "strategy": plan.strategy, "micro_batch": dp.micro_batch,
                      "options": dp.plan.options, "peak_bytes": dp.prediction.peak_bytes,
-                     "time_s": dp.prediction.time_s, "samples_per_s": kp.samples_per_s})
+                     "time_s": dp.prediction.time_s, "samples_per_s": kp.samples_per_s,
+                     "state_share": kp.state_share})
         t.add_row(k.name, str(k.count), format_bytes(k.budget), plan.strategy, str(dp.micro_batch), escape(dp.summary()),
                   format_bytes(dp.prediction.peak_bytes), f"{dp.prediction.time_s * 1e3:.2f}", f"{kp.samples_per_s:.1f}")
     console.print(t)
     console.print(escape(plan.why))
+    if shares := [(r["device"], r["state_share"]) for r in rows if r["state_share"] is not None]:
+        console.print("zero1: optimizer state in proportion to memory, per rank of each kind: " +
+                      ", ".join(f"{d} {x:.1%}" for d, x in shares))
     if plan.fits:
         console.print(f"step: compute {plan.compute_s * 1e3:.1f} ms (the global batch balanced over the ranks), "
                       f"collectives {plan.comm_s * 1e3:.1f} ms at {link_bps / 1e9:g} GB/s "

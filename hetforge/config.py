@@ -367,6 +367,10 @@ class ParallelConfig(_Strict):
     # FSDP shards consecutive blocks as one unit until it holds this many parameters (fewer,
     # larger collectives for a small model; a block of 4M parameters or more is a unit of its own)
     unit_params: int = Field(1 << 22, ge=1)
+    # zero1: each rank's part of the optimizer state in proportion to its memory (known for every
+    # rank: declared memory_gb or the device's own), or equal parts. FSDP2 (zero2, fsdp) shards every
+    # tensor evenly: DTensor has no uneven placements, so there it is always equal.
+    state_shares: Literal["memory", "equal"] = "memory"
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":

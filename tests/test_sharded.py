@@ -256,7 +256,7 @@ def test_plan_cluster_prints_the_strategy_and_each_kinds_plan(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     (tmp_path / "cl.yaml").write_text(yaml.safe_dump({"nodes": [{"devices": [
         {"type": "cpu", "count": 2, "memory_gb": 0.004}, {"type": "cpu", "count": 2, "memory_gb": 0.0026, "speed": 0.5}]}]}))
-    for strategy in ("fsdp", "auto"):
+    for strategy in ("fsdp", "auto", "zero1"):
         res = subprocess.run([sys.executable, "-m", "hetforge", "plan", str(tmp_path / "c.yaml"), "--cluster",
                               str(tmp_path / "cl.yaml"), "--set", f"parallel.strategy={strategy}"],
                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -266,5 +266,79 @@ def test_plan_cluster_prints_the_strategy_and_each_kinds_plan(tmp_path):
         assert all(k["peak_bytes"] <= b * 2**30 for k, b in zip(out["kinds"], (0.004, 0.0026)))
         if strategy == "fsdp":
             assert out["strategy"] == "fsdp" and "fsdp over 4 ranks" in res.stdout
+        elif strategy == "zero1":  # the optimizer state in proportion to memory: 4.1 against 2.7 MiB
+            big, small = (k["state_share"] for k in out["kinds"])
+            assert big + small == pytest.approx(0.5, abs=1e-9) and big / small == pytest.approx(4 / 2.6, rel=0.1)
+            assert "zero1: optimizer state in proportion to memory" in res.stdout
         else:  # the 2.6 MiB cards hold no replica beside a plan without the host optimizer
             assert out["strategy"] != "ddp" and out["why"].startswith("auto:") and "ddp on cpu" in out["why"]
+
+
+# --- ZeRO-1 with the optimizer state in proportion to memory (issue 15, point 6) ----------------
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_parameter_sizes_are_the_optimizers_groups(tie):
+    from dataclasses import replace
+
+    from hetforge.model.accounting import parameter_sizes
+    from hetforge.model.gpt_neox import GPTNeoX
+    from hetforge.train.optim import param_groups
+
+    shape = replace(PRESETS["tiny"], tie_embeddings=tie)
+    groups = param_groups(GPTNeoX(shape), 0.1)
+    assert [sorted(p.numel() for p in g["params"]) for g in groups] == [sorted(s) for s in parameter_sizes(shape)]
+
+
+def test_proportional_partition_follows_the_weights():
+    from hetforge.model.accounting import parameter_sizes, proportional_partition, state_shares
+
+    sizes = parameter_sizes(PRESETS["forge-s"])
+    largest = max(max(g) for g in sizes) / sum(sum(g) for g in sizes)
+    for weights in ([1, 1, 1, 1], [32, 16], [32, 32, 16, 16], [40, 16, 16, 12]):
+        shares = state_shares(sizes, weights)
+        assert sum(shares) == pytest.approx(1.0)
+        for s, w in zip(shares, weights):  # exact to within one tensor
+            assert abs(s - w / sum(weights)) <= largest, (weights, shares)
+    # equal weights: ZeroRedundancyOptimizer's own greedy (largest first, least loaded, lowest rank on a tie)
+    ranks = proportional_partition([[5, 3, 3, 2, 1]], [1, 1])[0]
+    assert ranks == [0, 1, 1, 0, 1]
+    with pytest.raises(ValueError, match="positive"):
+        proportional_partition(sizes, [1, 0])
+
+
+def test_memory_proportional_state_lets_zero1_fit_where_equal_parts_do_not():
+    from hetforge.model.accounting import parameter_sizes, state_shares
+
+    shape, cards = PRESETS["forge-s"], [2 * V100, 2 * V100, V100, V100]  # two 32 GB and two 16 GB cards
+    needs = [RankNeed(r, "V100", b, 1.5 * GIB) for r, b in enumerate(cards)]
+    shares = state_shares(parameter_sizes(shape), cards)
+    assert shares[0] == pytest.approx(1 / 3, abs=0.02) and shares[3] == pytest.approx(1 / 6, abs=0.02)
+    # equal parts: a 16 GB card's quarter of the state does not fit beside the weights and gradients
+    assert choose_strategy(shape, "adamw", needs, 4, gather_bytes=2)[0] == "zero2"
+    strategy, why = choose_strategy(shape, "adamw", needs, 4, gather_bytes=2, state_shares=shares)
+    assert strategy == "zero1", why
+    z = sharded_static_bytes(shape, "adamw", "zero1", 4, state_share=shares[3])
+    assert z["optimizer state"] == pytest.approx(8 * count_parameters(shape)["total"] * shares[3])
+
+
+def test_zero1_by_memory_equals_one_process_and_holds_state_in_proportion(make_cfg, tmp_path, reference):
+    """Ranks declaring 6 and 2 GB: rank 0 holds ~3/4 of the optimizer state, as predicted, and the
+    update is still the global batch's."""
+    cluster = {"nodes": [{"host": "localhost", "devices": [{"type": "cpu", "memory_gb": 6.0},
+                                                           {"type": "cpu", "memory_gb": 2.0}]}],
+               "balance": "fixed", "assignments": [{"samples": 3, "micro_batch_size": 3},
+                                                   {"samples": 5, "micro_batch_size": 5}]}
+    cfg = with_cluster(make_cfg, "zero1-memory", cluster, steps=5, micro_batch_size=8, checkpoint_interval=5,
+                       eval_interval=1000)
+    cfg = cfg.model_copy(update={"parallel": type(cfg.parallel).model_validate({"strategy": "zero1"})})
+    res = run_train(cfg, 2, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "zero1: optimizer state in proportion to memory" in res.stdout
+    got, ref = losses(cfg), losses(reference)
+    assert all(got[s] == pytest.approx(ref[s], rel=1e-6) for s in ref)
+    assert max_diff(weights(cfg), weights(reference)) <= 2e-4
+    ranks = state_bytes(cfg)["ranks"]
+    held = [r["optimizer state"] for r in ranks]
+    assert held[0] > 2 * held[1], held
+    for r in ranks:
+        assert r["optimizer state"] == pytest.approx(r["predicted"]["optimizer state"], rel=0.1)

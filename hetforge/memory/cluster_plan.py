@@ -12,13 +12,14 @@ longer: FSDP2 and DDP overlap communication with compute, so the longer of the t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from hetforge.memory.device_plan import DevicePlan, plan_profile
 from hetforge.memory.milp import PlanError
 from hetforge.memory.plan import ModelProfile
-from hetforge.model.accounting import STRATEGIES, ShardLayout, collective_bytes_per_step
+from hetforge.model.accounting import (STRATEGIES, ShardLayout, collective_bytes_per_step, parameter_sizes,
+                                       state_shares)
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 
@@ -36,6 +37,7 @@ class KindPlan:
     kind: DeviceKind
     plan: DevicePlan | None
     error: str | None = None
+    state_share: float | None = None  # zero1 by memory: the optimizer state's fraction on each of its ranks
 
     @property
     def samples_per_s(self) -> float:
@@ -82,10 +84,27 @@ def best_plan(kind: DeviceKind, shape: GPTNeoXConfig, mem_cfg, sizes: list[int],
     return KindPlan(kind, best, None if best else first_error)
 
 
+def zero1_kind_shares(shape: GPTNeoXConfig, kinds: list[DeviceKind]) -> list[float] | None:
+    """Per kind, the largest fraction of the optimizer state one of its ranks holds when ZeRO-1
+    splits it in proportion to memory (None when every rank has the same memory: equal parts)."""
+    weights = [k.budget for k in kinds for _ in range(k.count)]
+    if len(set(weights)) <= 1:
+        return None
+    shares, out, r = state_shares(parameter_sizes(shape), weights), [], 0
+    for k in kinds:
+        out.append(max(shares[r:r + k.count]))
+        r += k.count
+    return out
+
+
 def plan_cluster(shape: GPTNeoXConfig, mem_cfg, kinds: list[DeviceKind], strategy: str, sizes: list[int],
                  global_batch: int, seq_len: int, link_bytes_per_s: float, optimizer: str = "adamw",
-                 gather_bytes: int = 2, offload: str = "none", shard_size: int | None = None) -> ClusterPlan:
+                 gather_bytes: int = 2, offload: str = "none", shard_size: int | None = None,
+                 state_shares_by_memory: bool = True) -> ClusterPlan:
+    """`state_shares_by_memory`: ZeRO-1's optimizer state in proportion to each rank's memory
+    (`parallel.state_shares: memory`), else equal parts."""
     world = sum(k.count for k in kinds)
+    zero1_shares = zero1_kind_shares(shape, kinds) if state_shares_by_memory else None
     order = [s for s in STRATEGIES if not (offload == "params" and s in ("ddp", "zero1"))] \
         if strategy == "auto" else [strategy]
     # auto: sharding before the optimizer on the host (its copies and host step cost every step,
@@ -96,7 +115,11 @@ def plan_cluster(shape: GPTNeoXConfig, mem_cfg, kinds: list[DeviceKind], strateg
     for mem in passes:
         for s in order:
             layout = ShardLayout(s, shard_size or world if s != "ddp" else 1, gather_bytes, offload)
-            plans = [best_plan(k, shape, mem, sizes, optimizer, layout) for k in kinds]
+            per_kind = [replace(layout, state_share=zero1_shares[i]) if s == "zero1" and zero1_shares else layout
+                        for i in range(len(kinds))]
+            plans = [best_plan(k, shape, mem, sizes, optimizer, lay) for k, lay in zip(kinds, per_kind)]
+            for p, lay in zip(plans, per_kind):
+                p.state_share = lay.state_share
             last = ClusterPlan(s, "", plans, tokens_per_step=global_batch * seq_len, tried=list(tried))
             if last.fits:
                 rate = sum(p.kind.count * p.samples_per_s for p in plans)

@@ -32,15 +32,22 @@ class NoStrategyFits(ValueError):
 
 
 def strategy_needs(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], strategy: str, shard_size: int,
-                   gather_bytes: int, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS) -> list[float]:
-    static = sum(sharded_static_bytes(shape, optimizer, strategy, shard_size, offload, gather_bytes,
-                                      unit_params).values())
-    return [static + n.activation_bytes for n in needs]
+                   gather_bytes: int, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS,
+                   state_shares: list[float] | None = None) -> list[float]:
+    """Each rank's bytes under `strategy`; `state_shares`: the ranks' fractions of the optimizer
+    state under zero1 by memory (`model.accounting.state_shares`), in the order of `needs`."""
+    def static(i: int) -> float:
+        share = state_shares[i] if state_shares is not None and strategy == "zero1" else None
+        return sum(sharded_static_bytes(shape, optimizer, strategy, shard_size, offload, gather_bytes,
+                                        unit_params, share).values())
+    return [static(i) + n.activation_bytes for i, n in enumerate(needs)]
 
 
 def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], shard_size: int,
-                    gather_bytes: int = 4, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS) -> tuple[str, str]:
-    """(strategy, why in one line). Raises NoStrategyFits naming the rank short of memory."""
+                    gather_bytes: int = 4, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS,
+                    state_shares: list[float] | None = None) -> tuple[str, str]:
+    """(strategy, why in one line). Raises NoStrategyFits naming the rank short of memory.
+    `state_shares`: zero1's optimizer state split by memory (None: evenly)."""
     if len(needs) <= 1:
         return "ddp", "one rank: nothing to shard"
     if all(n.budget is None for n in needs):
@@ -51,7 +58,8 @@ def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed],
             continue
         if offload == "optimizer" and strategy != "ddp":
             continue
-        totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, unit_params)
+        totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, unit_params,
+                                state_shares)
         short = [(n, t) for n, t in zip(needs, totals) if n.budget is not None and t > n.budget]
         if not short:
             worst = max(((t / n.budget, n, t) for n, t in zip(needs, totals) if n.budget is not None),

@@ -112,9 +112,51 @@ def shard_units(shape: GPTNeoXConfig, min_unit_params: int = MIN_UNIT_PARAMS) ->
     return [shape.vocab_size * d] + groups + [shape.vocab_size * d + 2 * d]
 
 
+def parameter_sizes(shape: GPTNeoXConfig) -> list[list[int]]:
+    """Elements of every parameter tensor, in the optimizer's two groups: the matrices (weight-
+    decayed) and the vectors (biases, LayerNorm gains), each in the model's order. What ZeRO-1
+    partitions, so that the planner prices the partition the run makes."""
+    d, f, v = shape.d_model, shape.d_ff, shape.vocab_size
+    block_matrices = [3 * d * d, d * d, f * d, d * f]
+    block_vectors = [d, d, d, d, 3 * d, d, f, d]  # two LayerNorms; QKV, output, up and down biases
+    matrices = [v * d] + block_matrices * shape.n_layers + ([] if shape.tie_embeddings else [v * d])
+    vectors = block_vectors * shape.n_layers + [d, d]  # + final LayerNorm
+    return [matrices, vectors]
+
+
+def proportional_partition(group_sizes: list[list[int]], weights: list[float]) -> list[list[int]]:
+    """The rank of every parameter (per group) when rank r is to hold a share of the optimizer
+    state proportional to weights[r] (its memory): largest parameters first, each to the rank whose
+    load after taking it is least relative to its weight. With equal weights this is exactly
+    `ZeroRedundancyOptimizer`'s own greedy (least loaded rank, lowest rank on a tie); whole tensors
+    are the unit, so a share is exact to within the largest parameter."""
+    if not weights or any(w <= 0 for w in weights):
+        raise ValueError(f"state share weights must be positive, got {weights}")
+    load = [0] * len(weights)
+    out = []
+    for sizes in group_sizes:
+        ranks = [0] * len(sizes)
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: the model's order on ties
+            r = min(range(len(weights)), key=lambda r: ((load[r] + sizes[i]) / weights[r], load[r], r))
+            ranks[i] = r
+            load[r] += sizes[i]
+        out.append(ranks)
+    return out
+
+
+def state_shares(group_sizes: list[list[int]], weights: list[float]) -> list[float]:
+    """Each rank's fraction of the optimizer state under `proportional_partition`."""
+    load = [0] * len(weights)
+    for sizes, ranks in zip(group_sizes, proportional_partition(group_sizes, weights)):
+        for n, r in zip(sizes, ranks):
+            load[r] += n
+    total = sum(load) or 1
+    return [x / total for x in load]
+
+
 def sharded_static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", strategy: str = "ddp",
                          shard_size: int = 1, offload: str = "none", gather_bytes: int = WEIGHT_BYTES,
-                         min_unit_params: int = MIN_UNIT_PARAMS) -> dict[str, float]:
+                         min_unit_params: int = MIN_UNIT_PARAMS, state_share: float | None = None) -> dict[str, float]:
     """Device bytes per rank that do not depend on the activation plan, by kind, under a data-parallel
     strategy over a shard group of `shard_size` ranks (ZeRO, Rajbhandari et al. 2020):
 
@@ -126,15 +168,18 @@ def sharded_static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", strateg
 
     `gather_bytes`: bytes per gathered weight (2 under a 16-bit FSDP mixed-precision policy).
     `offload`: "optimizer" keeps the state on the host; "params" (FSDP2's CPU offload) keeps
-    weight, gradient and state shards there, and only the gathered units on the device."""
+    weight, gradient and state shards there, and only the gathered units on the device.
+    `state_share`: under zero1, this rank's fraction of the optimizer state when the ranks hold
+    shares in proportion to their memory (`state_shares`); None: 1 / shard_size."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown data-parallel strategy {strategy!r} (one of {', '.join(STRATEGIES)})")
     n = count_parameters(shape)["total"]
     s = max(int(shard_size), 1) if strategy != "ddp" else 1
     opt = OPTIMIZER_BYTES[optimizer] * n
     if strategy in ("ddp", "zero1"):
+        share = state_share if strategy == "zero1" and state_share is not None else 1 / s
         out = {"weights": float(WEIGHT_BYTES * n), "gradients": float(GRAD_BYTES * n),
-               "optimizer state": float(opt / s)}
+               "optimizer state": float(opt * share)}
     else:
         units = shard_units(shape, min_unit_params)
         biggest_two = sum(sorted(units)[-2:])
@@ -178,6 +223,7 @@ class ShardLayout:
     gather_bytes: int = WEIGHT_BYTES
     offload: str = "none"  # none | optimizer | params
     unit_params: int = MIN_UNIT_PARAMS
+    state_share: float | None = None  # zero1 by memory: this rank's fraction of the optimizer state
 
     @property
     def sharded(self) -> bool:
@@ -187,4 +233,4 @@ class ShardLayout:
                      optimizer_offload: bool = False) -> dict[str, float]:
         offload = "optimizer" if optimizer_offload and self.offload == "none" else self.offload
         return sharded_static_bytes(shape, optimizer, self.strategy, self.shard_size, offload, self.gather_bytes,
-                                    self.unit_params)
+                                    self.unit_params, self.state_share)

@@ -96,7 +96,8 @@ from hetforge.memory.milp import PlanError
 from hetforge.memory.sharding import HOST_OPTIMIZER, NoStrategyFits, RankNeed, choose_strategy, pick_strategy
 from hetforge.memory.executor import apply_plan
 from hetforge.memory.verify import PlanCheck
-from hetforge.model.accounting import STRATEGIES, ShardLayout, block_forward_flops, flops_per_token, matmul_params
+from hetforge.model.accounting import (STRATEGIES, ShardLayout, block_forward_flops, flops_per_token, matmul_params,
+                                       parameter_sizes, state_shares)
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig, set_head_padding
 from hetforge.model.load import TOKENIZER
 from hetforge.scaling.accounting import PowerMeter, rank_power, write_report
@@ -379,6 +380,7 @@ class Trainer:
                 raise ConfigError(f"model.init_from {init} was trained with another tokenizer than the data in "
                                   f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
                                   f"{init / TOKENIZER}, and a new data.out_dir)")
+        self.state_weights = self._state_weights()
         self.strategy, self.mesh = self.choose_strategy(), None
         self.sharded = self.strategy in ("zero2", "fsdp")
         if self.sharded:
@@ -450,13 +452,14 @@ class Trainer:
         if cfg.memory.active and budget is not None:
             # with an activation plan the planner itself says what fits: each strategy's static
             # bytes under this rank's budget, at micro-batch 1
-            fits = {}
+            fits, zero1_shares = {}, self.zero1_shares()
             no_host = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"optimizer_offload": "off"})})
             for s in STRATEGIES:
                 if (pc.offload == "params" and s in ("ddp", "zero1")) or (pc.offload == "optimizer" and s != "ddp"):
                     continue
+                share = zero1_shares[ctx.rank] if s == "zero1" and zero1_shares else None
                 fits[s] = self._plan_fits(no_host, ShardLayout(s, shard if s != "ddp" else 1, gather, pc.offload,
-                                                               pc.unit_params), memory)
+                                                               pc.unit_params, share), memory)
             if pc.offload == "none" and cfg.memory.optimizer_offload == "auto":
                 fits[HOST_OPTIMIZER] = self._plan_fits(cfg, ShardLayout(), memory)
             rows = all_gather_object(ctx, {"fits": fits, "device": device_name(rank_device(cfg.cluster, ctx), self.device)})
@@ -476,11 +479,29 @@ class Trainer:
             "budget": budget, "activation_bytes": act})]
         try:
             strategy, why = choose_strategy(self.model_cfg, cfg.train.optimizer, needs, shard, gather, pc.offload,
-                                            pc.unit_params)
+                                            pc.unit_params, self.zero1_shares())
         except NoStrategyFits as err:
             raise ConfigError(str(err)) from None
         self.say(f"data parallelism: {why}")
         return strategy
+
+    def _state_weights(self) -> list[float] | None:
+        """Every rank's memory, when ZeRO-1 is to split the optimizer state in proportion to it
+        (`parallel.state_shares: memory`) and the ranks differ; None: equal parts."""
+        cfg, ctx = self.cfg, self.ctx
+        if not ctx.distributed or cfg.parallel.state_shares != "memory":
+            return None
+        memory = device_memory_bytes(rank_device(cfg.cluster, ctx), self.device)
+        every = all_gather_object(ctx, memory)
+        if any(m is None for m in every) or len(set(every)) == 1:
+            return None
+        return [float(m) for m in every]
+
+    def zero1_shares(self) -> list[float] | None:
+        """Each rank's fraction of the optimizer state under zero1 by memory (None: 1/W each)."""
+        if self.state_weights is None:
+            return None
+        return state_shares(parameter_sizes(self.model_cfg), self.state_weights)
 
     def _plan_fits(self, cfg: RunConfig, layout: ShardLayout, memory: float | None) -> bool:
         try:
@@ -493,9 +514,10 @@ class Trainer:
     def layout(self) -> ShardLayout:
         shard = shard_group_size(self.mesh) if self.mesh is not None else self.ctx.world_size
         gather = 4 if self.precision.name == "fp32" else 2
+        shares = self.zero1_shares() if self.strategy == "zero1" else None
         return ShardLayout(self.strategy if self.strategy != "single" else "ddp",
                            shard if self.strategy != "ddp" else 1, gather, self.cfg.parallel.offload,
-                           self.cfg.parallel.unit_params)
+                           self.cfg.parallel.unit_params, shares[self.ctx.rank] if shares else None)
 
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
@@ -515,7 +537,11 @@ class Trainer:
         self.slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # no slowdown when the cluster is not described
         self.check = self._memory_plan()
         offload = (self.check is not None and self.check.dp.optimizer_offload) or cfg.parallel.offload == "optimizer"
-        self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload, zero1=self.strategy == "zero1")
+        self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload, zero1=self.strategy == "zero1",
+                                         state_weights=self.state_weights)
+        if self.strategy == "zero1" and self.state_weights is not None:
+            self.say(f"zero1: optimizer state in proportion to memory, rank shares "
+                     f"{', '.join(f'{x:.0%}' for x in self.zero1_shares())}")
         if offload:
             self.say(f"rank {ctx.rank}: optimizer state in host memory (it does not fit beside the weights and gradients)")
         self.components = {"scaler": self.scaler}  # the optimizer's state is read and written by name
@@ -669,7 +695,7 @@ class Trainer:
         layout predicts (`model.accounting.sharded_static_bytes`), in metrics.jsonl."""
         predicted = self.layout().static_bytes(self.model_cfg, self.cfg.train.optimizer,
                                                self.check is not None and self.check.dp.optimizer_offload)
-        ranks = all_gather_object(self.ctx, {"rank": self.ctx.rank, **self.held})
+        ranks = all_gather_object(self.ctx, {"rank": self.ctx.rank, **self.held, "predicted": predicted})
         if self.ctx.is_main:
             self.logger.log("event", self.state.step, {"event": "state_bytes", "strategy": self.strategy,
                                                        "predicted": predicted, "ranks": ranks})

@@ -11,8 +11,10 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetforge.config import TrainConfig
+from hetforge.model.accounting import proportional_partition
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -85,20 +87,47 @@ def param_order(model: nn.Module) -> list[str]:
     return decay + no_decay
 
 
+class ProportionalZero(ZeroRedundancyOptimizer):
+    """PyTorch's ZeRO-1, with the optimizer state partitioned in proportion to each rank's memory
+    (`model.accounting.proportional_partition`) instead of evenly: a 32 GB card then holds twice
+    the state of a 16 GB one in the same run. Only the partition changes; stepping, the broadcast
+    of updated parameters and the state dict's consolidation are ZeroRedundancyOptimizer's own,
+    which read the partition through `_partition_parameters`."""
+
+    def __init__(self, params, weights: list[float], **kwargs):
+        self._state_weights = list(weights)  # read while the base class partitions, in its __init__
+        super().__init__(params, **kwargs)
+
+    def _partition_parameters(self, params_per_rank=None):
+        if params_per_rank is not None or self._partition_parameters_cache:
+            return super()._partition_parameters(params_per_rank)
+        if len(self._state_weights) != self.world_size:
+            raise ValueError(f"{len(self._state_weights)} state share weights for {self.world_size} ranks")
+        sizes = [[p.numel() for p in g["params"]] for g in self.param_groups]
+        self._partition_parameters_cache = [[] for _ in range(self.world_size)]
+        for group, ranks in zip(self.param_groups, proportional_partition(sizes, self._state_weights)):
+            per_rank = [[] for _ in range(self.world_size)]
+            for p, r in zip(group["params"], ranks):
+                per_rank[r].append(p)
+            self._partition_param_group(group, per_rank)
+        return self._partition_parameters_cache
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
-                    offload: bool = False, zero1: bool = False) -> torch.optim.Optimizer:
+                    offload: bool = False, zero1: bool = False,
+                    state_weights: list[float] | None = None) -> torch.optim.Optimizer:
     """AdamW or LAMB over the model's parameter groups; with `offload`, the same optimizer kept and
     stepped in host memory (`HostOffloadOptimizer`); with `zero1`, its state sharded over the
-    ranks (PyTorch's `ZeroRedundancyOptimizer`: each rank steps its part, then broadcasts it)."""
+    ranks (PyTorch's `ZeroRedundancyOptimizer`: each rank steps its part, then broadcasts it), in
+    proportion to `state_weights` (each rank's memory) when given."""
     groups = param_groups(model, cfg.weight_decay)
     if zero1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
+        zero = ZeroRedundancyOptimizer if state_weights is None else \
+            (lambda params, **kw: ProportionalZero(params, state_weights, **kw))
         if cfg.optimizer == "lamb":
-            return ZeroRedundancyOptimizer(groups, optimizer_class=Lamb, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+            return zero(groups, optimizer_class=Lamb, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
         kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas,
-                                       eps=cfg.eps, **kwargs)
+        return zero(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
     if offload:
         return HostOffloadOptimizer(groups, lambda host_groups: _make(host_groups, cfg, torch.device("cpu")))
     return _make(groups, cfg, device)
