@@ -21,11 +21,12 @@ memory budget, speed against DeepSpeed's ZeRO-3, and heterogeneous balance under
    in proportion to memory (`parallel.state_shares: memory`) against equal parts, settled the same
    way as part 1 (key `zero1_memory_ratio`). Weights and gradients stay whole on every rank under
    ZeRO-1, so the gain is bounded by the state's part: 12 bytes a parameter on the small rank with
-   equal parts, 8 + 8/3 by memory, at most 1.125x.
+   equal parts, 8 + 8/3 by memory: at most 1.125x in parameters, though whole layers can round
+   either way.
 
     .venv/bin/python bench/sharded_scale.py          # ~10 minutes on 2 cores
     .venv/bin/python bench/sharded_scale.py --quick
-    .venv/bin/python bench/sharded_scale.py --only-zero1-memory   # part 4 only (~3 minutes)
+    .venv/bin/python bench/sharded_scale.py --only zero1-memory   # part 4 only (~3 minutes)
 
 Last line: one JSON object with the figures.
 """
@@ -175,9 +176,10 @@ def _act_per_layer(work: Path) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--skip-largest", action="store_true", help="only the speed and balance parts")
-    ap.add_argument("--only-zero1-memory", action="store_true", help="only part 4")
+    ap.add_argument("--only", choices=("largest", "speed", "hetero", "zero1-memory"), action="append",
+                    help="run only these parts (repeatable); default: all")
     args = ap.parse_args()
+    parts = set(args.only or ("largest", "speed", "hetero", "zero1-memory"))
     steps, B = (6, 8) if args.quick else (12, 16)
     rounds = 1 if args.quick else 3
     hetero_steps = 6 if args.quick else 8
@@ -187,7 +189,7 @@ def main() -> None:
     figures: dict = {}
 
     # 4. ZeRO-1 on ranks of unequal memory: the optimizer state in proportion to memory against equal parts
-    if not args.quick:
+    if not args.quick and "zero1-memory" in parts:
         budgets = [BUDGET_MB, BUDGET_MB / 2]
         runs = {how: largest_model(work, "zero1", 2, budgets, how) for how in ("equal", "memory")}
         figures["zero1_memory_ratio"] = runs["memory"]["params"] / runs["equal"]["params"]
@@ -196,11 +198,7 @@ def main() -> None:
               f"({runs['equal']['params'] / 1e6:.1f}M), parts by memory {runs['memory']['layers']} layers "
               f"({runs['memory']['params'] / 1e6:.1f}M): {figures['zero1_memory_ratio']:.2f}x; held per rank "
               f"{[round(h / 2**20) for h in runs['memory']['held_bytes_per_rank']]} MiB", flush=True)
-    if args.only_zero1_memory:
-        print(json.dumps({"bench": "sharded_scale", **figures}))
-        return
-
-    ddp = largest_model(work, "ddp", 2) if not args.skip_largest else None
+    ddp = largest_model(work, "ddp", 2) if "largest" in parts else None
     for world in (2, 4) if ddp else ():
         fsdp = largest_model(work, "fsdp", world)
         figures[f"params_ratio_w{world}"] = fsdp["params"] / ddp["params"]
@@ -221,7 +219,7 @@ def main() -> None:
     except ImportError:
         have_ds = False
     ours, peers, stage_used = [], [], None
-    for rnd in range(rounds):
+    for rnd in range(rounds if "speed" in parts else 0):
         name = f"speed-fsdp-{rnd}"
         res = launch(config(work, name, 2, "fsdp", steps, B), 2)
         if res.returncode != 0:
@@ -238,29 +236,32 @@ def main() -> None:
                 break
             print(f"DeepSpeed ZeRO-{stage} did not run on its CPU accelerator: {ds.stderr.strip().splitlines()[-1:]}",
                   flush=True)
-    figures["hetforge_fsdp_tokens_per_s"] = statistics.median(ours)
+    if ours:
+        figures["hetforge_fsdp_tokens_per_s"] = statistics.median(ours)
     if peers:
         figures["deepspeed_tokens_per_s"] = statistics.median(peers)
         figures["vs_deepspeed"] = figures["hetforge_fsdp_tokens_per_s"] / figures["deepspeed_tokens_per_s"]
         figures["deepspeed_stage"] = f"zero{stage_used}"
-    print(f"tokens/s over {rounds} interleaved rounds: hetforge FSDP {ours} | DeepSpeed {figures['deepspeed_stage']} "
-          f"{peers} | ratio of medians {figures['vs_deepspeed']}", flush=True)
+    if ours:
+        print(f"tokens/s over {rounds} interleaved rounds: hetforge FSDP {ours} | DeepSpeed {figures['deepspeed_stage']} "
+              f"{peers} | ratio of medians {figures['vs_deepspeed']}", flush=True)
 
     # one rank 2x slower: equal split against hetforge's balance, interleaved
     eq_s, bal_s = [], []
-    for rnd in range(rounds):
+    for rnd in range(rounds if "hetero" in parts else 0):
         for name, balance, out in ((f"hetero-equal-{rnd}", "equal", eq_s), (f"hetero-balanced-{rnd}", "auto", bal_s)):
             r = launch(config(work, name, 2, "fsdp", hetero_steps, HETERO_BATCH, slowdown=2.0, balance=balance,
                               micro=HETERO_BATCH, seq=HETERO_SEQ), 2)
             if r.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
             out.append(steady(work, name)["step_s"])
-    plan = json.loads((work / "hetero-balanced-0" / "balance.json").read_text())
-    figures["hetero_k2_ratio"] = statistics.median(bal_s) / statistics.median(eq_s)
-    figures["hetero_split"] = [s["micro_batches"] for s in plan["shares"]]
-    print(f"one rank 2x slower under FSDP: equal {[round(t * 1e3) for t in eq_s]} ms | balanced "
-          f"{[round(t * 1e3) for t in bal_s]} ms (micro-batches {figures['hetero_split']}) | ratio "
-          f"{figures['hetero_k2_ratio']:.3f} (goal <= 0.70)", flush=True)
+    if bal_s:
+        plan = json.loads((work / "hetero-balanced-0" / "balance.json").read_text())
+        figures["hetero_k2_ratio"] = statistics.median(bal_s) / statistics.median(eq_s)
+        figures["hetero_split"] = [s["micro_batches"] for s in plan["shares"]]
+        print(f"one rank 2x slower under FSDP: equal {[round(t * 1e3) for t in eq_s]} ms | balanced "
+              f"{[round(t * 1e3) for t in bal_s]} ms (micro-batches {figures['hetero_split']}) | ratio "
+              f"{figures['hetero_k2_ratio']:.3f} (goal <= 0.70)", flush=True)
 
     def r4(v):
         return round(v, 4) if isinstance(v, float) else v

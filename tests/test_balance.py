@@ -111,3 +111,44 @@ def test_a_simulated_slow_device_is_slowed_in_its_whole_compute(monkeypatch):
     slow.after_forward(0.1, step=4)
     assert slept[-1] == pytest.approx(0.5)  # (2 - 1) x (0.1 + 4 x 0.1)
     assert not Slowdown(None).active
+
+
+def test_under_fsdp_a_slow_device_is_slowed_where_each_module_runs(monkeypatch):
+    """Each module sleeps (k - 1) x its own forward right after it and (k - 1) x its own backward
+    once its input's gradient is made: in the forward in module order, in the backward in reverse,
+    each between the collectives that hold the ranks together. Timed on a fake clock."""
+    import torch
+
+    from hetforge.cluster.spec import Slowdown
+    from hetforge.config import DeviceSpec
+
+    ticks, slept, events = iter(range(1000)), [], []
+    monkeypatch.setattr(Slowdown, "clock", staticmethod(lambda: float(next(ticks))))
+    monkeypatch.setattr("hetforge.cluster.spec.time.sleep", slept.append)
+
+    class Scale(torch.nn.Module):
+        def __init__(self, name, k):
+            super().__init__()
+            self.name, self.w = name, torch.nn.Parameter(torch.tensor(float(k)))
+
+        def forward(self, x):
+            next(ticks), next(ticks)  # this module's compute: two ticks of the clock
+            events.append(f"F{self.name}")
+            return x * self.w
+
+    mods = [Scale("a", 2), Scale("b", 3)]
+    step = {"now": 0}
+    slow = Slowdown(DeviceSpec(type="cpu", slowdown=3.0, slowdown_from_step=1))
+    slow.install_per_module(mods, lambda: step["now"])
+    x = torch.ones(2, requires_grad=True)
+    mods[1](mods[0](x)).sum().backward()
+    assert slept == []  # step 0: before slowdown_from_step
+    step["now"] = 1
+    x.grad = None
+    out = mods[1](mods[0](x))
+    assert events == ["Fa", "Fb", "Fa", "Fb"]
+    assert slept == [2 * 3.0, 2 * 3.0]  # (3 - 1) x (2 ticks of compute + the clock reads between)
+    out.sum().backward()
+    assert len(slept) == 4 and all(t > 0 for t in slept[2:])  # each module's backward, b then a
+    assert x.grad.tolist() == [6.0, 6.0]  # the marks are the identity
+    assert Slowdown(None).install_per_module(mods, lambda: 0) == []

@@ -19,10 +19,12 @@ def three_cpus() -> dict:
     return {"nodes": [{"host": "localhost", "devices": [{"type": "cpu"} for _ in range(3)]}]}
 
 
-def sharded(make_cfg, name, strategy, shares, unit_params=None, **train_kw):
+def sharded(make_cfg, name, strategy, shares, unit_params=None, slowdown=1.0, **train_kw):
     nodes = three_cpus() if len(shares) == 3 else {"nodes": two_cpus()["nodes"]}
     for d in nodes["nodes"][0]["devices"]:
         d.pop("memory_gb", None)
+    if slowdown > 1:  # the last rank simulated slower: under FSDP, hooks on every module (identities)
+        nodes["nodes"][0]["devices"][-1].update(slowdown=slowdown, slowdown_from_step=0)
     cluster = {**nodes, "balance": "fixed", "assignments": [{"samples": n, "micro_batch_size": b} for n, b in shares]}
     cfg = with_cluster(make_cfg, name, cluster, **train_kw)
     parallel = {"strategy": strategy, **({"unit_params": unit_params} if unit_params else {})}
@@ -46,16 +48,19 @@ def reference(tmp_path_factory, data_dir):
     return cfg
 
 
-# unit_params=1: every block its own FSDP unit (the tiny model's blocks are otherwise one unit)
-CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)], None), ("fsdp", [(8, 4), (0, 1)], None),
+# unit_params=1: every block its own FSDP unit (the tiny model's blocks are otherwise one unit);
+# "slow": the last rank simulated slower
+CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)], None), ("fsdp", [(8, 4), (0, 1)], None), ("fsdp", [(5, 3), (3, 3)], "slow"),
          ("fsdp", [(1, 1), (2, 1), (5, 2)], 1), ("zero2", [(1, 1), (2, 2), (5, 3)], None), ("zero1", [(3, 3), (5, 2)], None)]
 
 
 @pytest.mark.parametrize("strategy,shares,unit_params", CASES,
-                         ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}{'-per-block' if u else ''}" for s, sh, u in CASES])
+                         ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}{ {None: '', 1: '-per-block', 'slow': '-slow'}[u]}"
+                              for s, sh, u in CASES])
 def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strategy, shares, unit_params):
-    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, unit_params, steps=5, micro_batch_size=8,
-                  checkpoint_interval=5, eval_interval=1000)
+    slow = unit_params == "slow"  # a rank simulated 1.5x slower: its per-module marks leave the update alone
+    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, None if slow else unit_params,
+                  1.5 if slow else 1.0, steps=5, micro_batch_size=8, checkpoint_interval=5, eval_interval=1000)
     res = run_train(cfg, len(shares), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"data parallelism: {strategy}" in res.stdout

@@ -143,12 +143,14 @@ def device_name(spec: DeviceSpec | None, device: torch.device) -> str:
 class Slowdown:
     """Makes this rank behave like a device `factor` times slower (simulation only).
 
-    The sleep comes right after each forward pass and lasts (factor - 1) x (the forward's time +
-    the backward's), the backward's taken as the last one measured relative to its forward (2x
+    Under DDP (collectives only after the backward) the sleep comes right after each forward pass
+    and lasts (factor - 1) x (the forward's time + the backward's), the backward's taken as the last one measured relative to its forward (2x
     until one is): it lands before the gradients are synchronised, where a slower device's extra
     time would be, and the probe and the loop apply the same rule. The whole compute is slowed,
     not a multiple of the forward: under FSDP the backward (reduce-scatters, hooks) costs far more
-    than twice the forward on a small model, and a device k times slower is slower at all of it."""
+    than twice the forward on a small model, and a device k times slower is slower at all of it.
+    Under FSDP, where the ranks meet at every unit, each unit is slowed where it runs
+    (`install_per_module`)."""
 
     def __init__(self, spec: DeviceSpec | None):
         self.factor = spec.slowdown if spec else 1.0
@@ -180,3 +182,54 @@ class Slowdown:
     def after_backward(self, backward_seconds: float) -> None:
         if self._forward > 0:
             self.backward_ratio = min(max(backward_seconds / self._forward, 0.5), 20.0)
+
+    def install_per_module(self, modules: list[torch.nn.Module], step_of) -> list:
+        """Slow each of `modules` (the model's FSDP units) where its own compute runs: after its
+        forward, (factor - 1) x that forward's time; after its backward (the gradient of its input
+        is made), (factor - 1) x that backward's. Under FSDP the ranks meet at every unit (its
+        all-gather, its reduce-scatter), so a slower device is late at each of them; one sleep after
+        the whole forward would hold the faster ranks at the next collective while doing nothing of
+        theirs, and no share of the batch could then hide the slowness. `step_of()`: the step now
+        (no sleep before `slowdown_from_step`). Returns the hooks' handles."""
+        if not self.active:
+            return []
+        handles = []
+        for mod in modules:
+            marks: dict[str, float] = {}
+
+            def pre(module, args, marks=marks):
+                marks["forward"] = self.clock()
+                if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad:
+                    # the gradient of the input is the last thing this module's backward makes
+                    return (_Mark.apply(lambda m=marks: self._sleep_since(m.pop("backward", None), step_of()), args[0]),
+                            *args[1:])
+                return None
+
+            def post(module, args, out, marks=marks):
+                self._sleep_since(marks.pop("forward", None), step_of())
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    # its gradient arriving starts this module's backward
+                    return _Mark.apply(lambda m=marks: m.__setitem__("backward", self.clock()), out)
+                return None
+
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        return handles
+
+    def _sleep_since(self, start: float | None, step: int) -> None:
+        if start is not None and step >= self.from_step:
+            time.sleep((self.factor - 1.0) * max(self.clock() - start, 0.0))
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls `fn` when the gradient passes: a point in the backward to
+    time from, or to sleep at."""
+
+    @staticmethod
+    def forward(ctx, fn, x):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fn()
+        return None, grad

@@ -554,6 +554,10 @@ class Trainer:
             compile_blocks(self.model)
         self.say(f"compile: {'on' if self.compiled else 'off'} ({why})")
         self.par: Parallel = parallelize(self.model, ctx, self.device, self.strategy)
+        if self.sharded:  # the ranks meet at every unit: a slow device is slowed where each module runs
+            m = self.model
+            self.slowdown.install_per_module([m.embed_in, *m.layers, m.final_layer_norm, m.embed_out],
+                                             lambda: self.state.step)
         self.timer = ComputeTimer(self.device, self.par.clock)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._accounting()
@@ -658,7 +662,7 @@ class Trainer:
         self.loader.request(mine)
         self.loader.request(self.balance_plan.micro_positions(self.ctx.rank, st.consumed + self.global_batch))
         checking = self.check is not None and self.check.before(st.steps_this_call, self.params, not self.ctx.distributed)
-        slow = self.slowdown.active
+        slow = self.slowdown.active and not self.sharded  # sharded: slowed per module (`setup`)
         step_loss, _ = backward_share(
             self.par, self.train_samples, self.order, mine, st.consumed, self.tokens_per_step,
             self.precision, self.scaler, self.device,
