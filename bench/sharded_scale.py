@@ -24,7 +24,7 @@ memory budget, speed against DeepSpeed's ZeRO-3, and heterogeneous balance under
    equal parts, 8 + 8/3 by memory: at most 1.125x in parameters, though whole layers can round
    either way.
 
-    .venv/bin/python bench/sharded_scale.py          # ~10 minutes on 2 cores
+    .venv/bin/python bench/sharded_scale.py          # ~25 minutes on 2 cores
     .venv/bin/python bench/sharded_scale.py --quick
     .venv/bin/python bench/sharded_scale.py --only zero1-memory   # part 4 only (~3 minutes)
 
