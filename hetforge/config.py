@@ -365,7 +365,8 @@ class ParallelConfig(_Strict):
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     link_gbps: float | None = Field(None, gt=0)  # GB/s between ranks for the planner; None: measured
     # FSDP shards consecutive blocks as one unit until it holds this many parameters (fewer,
-    # larger collectives for a small model; a block of 4M parameters or more is a unit of its own)
+    # larger collectives for a small model; a block of 4M parameters or more is a unit of its own).
+    # Left unset, a run whose ranks fit only with one block a unit takes that.
     unit_params: int = Field(1 << 22, ge=1)
     # zero1: each rank's part of the optimizer state in proportion to its memory (known for every
     # rank: declared memory_gb or the device's own), or equal parts. FSDP2 (zero2, fsdp) shards every

@@ -347,3 +347,27 @@ def test_zero1_by_memory_equals_one_process_and_holds_state_in_proportion(make_c
     assert held[0] > 2 * held[1], held
     for r in ranks:
         assert r["optimizer state"] == pytest.approx(r["predicted"]["optimizer state"], rel=0.1)
+
+
+def test_fsdp_takes_one_block_a_unit_only_where_grouped_units_do_not_fit():
+    """sharded_scale's W=4 case: 32 blocks of 3.1M parameters (grouped two a unit by default) on
+    512 MiB ranks: the grouped units' gathered bytes leave rank 0 short, one block a unit fits."""
+    from hetforge.memory.sharding import unit_size_that_fits
+    from hetforge.model.gpt_neox import GPTNeoXConfig
+
+    shape = GPTNeoXConfig(32, 512, 8, 2048, 4096)
+    mib = 2**20
+    grouped = sum(sharded_static_bytes(shape, "adamw", "fsdp", 4, gather_bytes=4).values())
+    single = sum(sharded_static_bytes(shape, "adamw", "fsdp", 4, gather_bytes=4, min_unit_params=1).values())
+    assert single < grouped - 30 * mib  # two gathered units and one unit's gradients, half the size
+    act = 40 * mib
+
+    def needs(budget):
+        return [RankNeed(r, "cpu", budget, act) for r in range(4)]
+
+    units, why = unit_size_that_fits(shape, "adamw", needs(512 * mib), "fsdp", 4, 4)
+    assert units == 1 and "one block each" in why and "rank 0" in why
+    assert unit_size_that_fits(shape, "adamw", needs(1024 * mib), "fsdp", 4, 4) == (1 << 22, None)  # room: grouped
+    assert unit_size_that_fits(shape, "adamw", needs(300 * mib), "fsdp", 4, 4) == (1 << 22, None)  # nothing fits
+    assert unit_size_that_fits(shape, "adamw", needs(512 * mib), "zero1", 4, 4) == (1 << 22, None)
+    assert unit_size_that_fits(shape, "adamw", [RankNeed(0, "cpu", None, act)] * 4, "fsdp", 4, 4) == (1 << 22, None)

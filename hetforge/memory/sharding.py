@@ -74,6 +74,29 @@ def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed],
                          "or a smaller model")
 
 
+def unit_size_that_fits(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], strategy: str, shard_size: int,
+                        gather_bytes: int, offload: str = "none",
+                        unit_params: int = MIN_UNIT_PARAMS) -> tuple[int, str | None]:
+    """FSDP's unit floor for a run whose ranks' memory is known: `unit_params` (small blocks grouped:
+    fewer, larger collectives), unless some rank is short of memory under it and every rank fits
+    with one block a unit, whose gathered weights and gradients are a group's smaller. Returns the
+    floor, and why it changed (None when it did not)."""
+    if strategy not in ("zero2", "fsdp") or unit_params <= 1 or all(n.budget is None for n in needs):
+        return unit_params, None
+
+    def short(units: int) -> list[tuple[RankNeed, float]]:
+        totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, units)
+        return [(n, t) for n, t in zip(needs, totals) if n.budget is not None and t > n.budget]
+
+    grouped = short(unit_params)
+    if not grouped or short(1):
+        return unit_params, None
+    n, t = max(grouped, key=lambda nt: nt[1] - nt[0].budget)
+    return 1, (f"FSDP units: one block each (rank {n.rank} ({n.device}) needs {_gib(t)} of {_gib(n.budget)} with "
+               f"blocks grouped to {unit_params / 1e6:.1f}M parameters a unit: their gathered weights and "
+               f"gradients no longer fit; parallel.unit_params sets it)")
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 

@@ -93,7 +93,8 @@ from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
 from hetforge.evaluate.perplexity import EvalResult, evaluate
 from hetforge.memory.device_plan import plan_for_config
 from hetforge.memory.milp import PlanError
-from hetforge.memory.sharding import HOST_OPTIMIZER, NoStrategyFits, RankNeed, choose_strategy, pick_strategy
+from hetforge.memory.sharding import (HOST_OPTIMIZER, NoStrategyFits, RankNeed, choose_strategy, pick_strategy,
+                                      unit_size_that_fits)
 from hetforge.memory.executor import apply_plan
 from hetforge.memory.verify import PlanCheck
 from hetforge.model.accounting import (STRATEGIES, ShardLayout, block_forward_flops, flops_per_token, matmul_params,
@@ -383,6 +384,7 @@ class Trainer:
         self.state_weights = self._state_weights()
         self.strategy, self.mesh = self.choose_strategy(), None
         self.sharded = self.strategy in ("zero2", "fsdp")
+        self.unit_params = self._unit_params()
         if self.sharded:
             # built on the meta device, sharded, then each rank initialises its own shards only
             with torch.device("meta"):
@@ -402,7 +404,7 @@ class Trainer:
             pc = cfg.parallel
             self.mesh = device_mesh(ctx, self.device, pc.mesh.replicate, pc.mesh.shard)
             shard_model(self.model, self.mesh, self.strategy, pc.reshard_after_forward, pc.offload,
-                        self.precision.dtype if self.precision.name != "fp32" else None, pc.unit_params)
+                        self.precision.dtype if self.precision.name != "fp32" else None, self.unit_params)
             init_sharded(self.model, torch.device("cpu") if pc.offload == "params" else self.device, tc.seed)
         self.scaler = self.precision.grad_scaler()
 
@@ -503,6 +505,30 @@ class Trainer:
             return None
         return state_shares(parameter_sizes(self.model_cfg), self.state_weights)
 
+    def _unit_params(self) -> int:
+        """FSDP's unit floor: `parallel.unit_params` as set, or by default its value unless a rank
+        fits only with one block a unit (`memory.sharding.unit_size_that_fits`, on every rank's
+        memory and measured activations: the ranks must wrap the model alike)."""
+        cfg, ctx, pc = self.cfg, self.ctx, self.cfg.parallel
+        if not self.sharded or "unit_params" in pc.model_fields_set:
+            return pc.unit_params
+        memory = device_memory_bytes(rank_device(cfg.cluster, ctx), self.device)
+        act = 0.0
+        if memory is not None:
+            act_bytes = 4 if self.precision.name == "fp32" else 2
+            act = activation_need(self.model_cfg, cfg.train.seq_len, self.vocab, self.device, self.precision.autocast,
+                                  act_bytes, floor=cfg.memory.active)
+        needs = [RankNeed(**n) for n in all_gather_object(ctx, {
+            "rank": ctx.rank, "device": device_name(rank_device(cfg.cluster, ctx), self.device),
+            "budget": None if memory is None else float(memory), "activation_bytes": act})]
+        shard = pc.mesh.shard or (ctx.world_size // pc.mesh.replicate if pc.mesh.replicate else ctx.world_size)
+        gather = 4 if self.precision.name == "fp32" else 2
+        units, why = unit_size_that_fits(self.model_cfg, cfg.train.optimizer, needs, self.strategy, shard, gather,
+                                         pc.offload, pc.unit_params)
+        if why:
+            self.say(why)
+        return units
+
     def _plan_fits(self, cfg: RunConfig, layout: ShardLayout, memory: float | None) -> bool:
         try:
             plan_for_config(cfg, self.model_cfg, self.device, 1, memory, self.run_dir / "memory",
@@ -517,7 +543,7 @@ class Trainer:
         shares = self.zero1_shares() if self.strategy == "zero1" else None
         return ShardLayout(self.strategy if self.strategy != "single" else "ddp",
                            shard if self.strategy != "ddp" else 1, gather, self.cfg.parallel.offload,
-                           self.cfg.parallel.unit_params, shares[self.ctx.rank] if shares else None)
+                           self.unit_params, shares[self.ctx.rank] if shares else None)
 
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
