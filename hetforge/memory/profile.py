@@ -45,11 +45,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _more(done: int, at_least: int, start: float, min_seconds: float) -> bool:
+    """Whether a measurement loop that began at `start` runs once more: a warm-up and `at_least`
+    timed runs, then on until `min_seconds` have passed (at most 8x `at_least`)."""
+    return done <= at_least or (time.perf_counter() - start < min_seconds and done <= 8 * at_least)
+
+
 def _timed(fn, device, repeats: int, min_seconds: float = 0.0) -> float:
     """Median time of `fn` over at least `repeats` calls (after a warm-up) and `min_seconds`."""
     times = []
     start, i = time.perf_counter(), 0
-    while i <= repeats or (time.perf_counter() - start < min_seconds and i <= 8 * repeats):
+    while _more(i, repeats, start, min_seconds):
         i += 1
         _sync(device)
         t0 = time.perf_counter()
@@ -329,7 +335,7 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
         return t1 - t0, time.perf_counter() - t1
 
     start, r = time.perf_counter(), 0
-    while r <= rounds or (time.perf_counter() - start < min_seconds and r <= 8 * rounds):
+    while _more(r, rounds, start, min_seconds):
         for k, runner in runners.items():
             handles = runner.install_labels([block])
             x = x0.detach().requires_grad_(True)

@@ -60,7 +60,7 @@ def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed],
             continue
         totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, unit_params,
                                 state_shares)
-        short = [(n, t) for n, t in zip(needs, totals) if n.budget is not None and t > n.budget]
+        short = _short(needs, totals)
         if not short:
             worst = max(((t / n.budget, n, t) for n, t in zip(needs, totals) if n.budget is not None),
                         key=lambda w: w[0])
@@ -85,8 +85,7 @@ def unit_size_that_fits(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNe
         return unit_params, None
 
     def short(units: int) -> list[tuple[RankNeed, float]]:
-        totals = strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, units)
-        return [(n, t) for n, t in zip(needs, totals) if n.budget is not None and t > n.budget]
+        return _short(needs, strategy_needs(shape, optimizer, needs, strategy, shard_size, gather_bytes, offload, units))
 
     grouped = short(unit_params)
     if not grouped or short(1):
@@ -95,6 +94,11 @@ def unit_size_that_fits(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNe
     return 1, (f"FSDP units: one block each (rank {n.rank} ({n.device}) needs {_gib(t)} of {_gib(n.budget)} with "
                f"blocks grouped to {unit_params / 1e6:.1f}M parameters a unit: their gathered weights and "
                f"gradients no longer fit; parallel.unit_params sets it)")
+
+
+def _short(needs: list[RankNeed], totals: list[float]) -> list[tuple[RankNeed, float]]:
+    """The ranks whose bytes exceed their known memory, with those bytes."""
+    return [(n, t) for n, t in zip(needs, totals) if n.budget is not None and t > n.budget]
 
 
 def _gib(x: float) -> str:

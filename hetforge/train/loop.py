@@ -382,6 +382,10 @@ class Trainer:
                                   f"{data.out_dir}: prepare the data with the model's own (data.tokenizer.path: "
                                   f"{init / TOKENIZER}, and a new data.out_dir)")
         self.state_weights = self._state_weights()
+        # each rank's fraction of the optimizer state under zero1 by memory (None: 1/W each)
+        self.zero1_shares = None if self.state_weights is None else \
+            state_shares(parameter_sizes(self.model_cfg), self.state_weights)
+        self._needs: list[RankNeed] | None = None
         self.strategy, self.mesh = self.choose_strategy(), None
         self.sharded = self.strategy in ("zero2", "fsdp")
         self.unit_params = self._unit_params()
@@ -446,20 +450,16 @@ class Trainer:
             self.say(f"data parallelism: {pc.strategy} (parallel.strategy={pc.strategy})")
             return pc.strategy
         memory = device_memory_bytes(rank_device(cfg.cluster, ctx), self.device)
-        budget = None
-        if memory is not None:
-            budget = float(memory)
-        shard = pc.mesh.shard or (ctx.world_size // pc.mesh.replicate if pc.mesh.replicate else ctx.world_size)
-        gather = 4 if self.precision.name == "fp32" else 2
-        if cfg.memory.active and budget is not None:
+        shard, gather = self._planned_shard_size(), self._gather_bytes()
+        if cfg.memory.active and memory is not None:
             # with an activation plan the planner itself says what fits: each strategy's static
             # bytes under this rank's budget, at micro-batch 1
-            fits, zero1_shares = {}, self.zero1_shares()
+            fits = {}
             no_host = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"optimizer_offload": "off"})})
             for s in STRATEGIES:
                 if (pc.offload == "params" and s in ("ddp", "zero1")) or (pc.offload == "optimizer" and s != "ddp"):
                     continue
-                share = zero1_shares[ctx.rank] if s == "zero1" and zero1_shares else None
+                share = self.zero1_shares[ctx.rank] if s == "zero1" and self.zero1_shares else None
                 fits[s] = self._plan_fits(no_host, ShardLayout(s, shard if s != "ddp" else 1, gather, pc.offload,
                                                                pc.unit_params, share), memory)
             if pc.offload == "none" and cfg.memory.optimizer_offload == "auto":
@@ -471,17 +471,9 @@ class Trainer:
                 raise ConfigError(str(err)) from None
             self.say(f"data parallelism: {why}")
             return strategy
-        act = 0.0
-        if budget is not None:
-            act_bytes = 4 if self.precision.name == "fp32" else 2
-            act = activation_need(self.model_cfg, cfg.train.seq_len, self.vocab, self.device, self.precision.autocast,
-                                  act_bytes, floor=cfg.memory.active)
-        needs = [RankNeed(**n) for n in all_gather_object(ctx, {
-            "rank": ctx.rank, "device": device_name(rank_device(cfg.cluster, ctx), self.device),
-            "budget": budget, "activation_bytes": act})]
         try:
-            strategy, why = choose_strategy(self.model_cfg, cfg.train.optimizer, needs, shard, gather, pc.offload,
-                                            pc.unit_params, self.zero1_shares())
+            strategy, why = choose_strategy(self.model_cfg, cfg.train.optimizer, self._rank_needs(), shard, gather,
+                                            pc.offload, pc.unit_params, self.zero1_shares)
         except NoStrategyFits as err:
             raise ConfigError(str(err)) from None
         self.say(f"data parallelism: {why}")
@@ -499,32 +491,39 @@ class Trainer:
             return None
         return [float(m) for m in every]
 
-    def zero1_shares(self) -> list[float] | None:
-        """Each rank's fraction of the optimizer state under zero1 by memory (None: 1/W each)."""
-        if self.state_weights is None:
-            return None
-        return state_shares(parameter_sizes(self.model_cfg), self.state_weights)
+    def _rank_needs(self) -> list[RankNeed]:
+        """Every rank's memory and activations at micro-batch 1 (measured on local proxies where its
+        memory is known), gathered once: what the strategy and the FSDP unit size are decided on."""
+        if self._needs is None:
+            cfg, ctx = self.cfg, self.ctx
+            memory = device_memory_bytes(rank_device(cfg.cluster, ctx), self.device)
+            act = 0.0
+            if memory is not None:
+                act_bytes = 4 if self.precision.name == "fp32" else 2
+                act = activation_need(self.model_cfg, cfg.train.seq_len, self.vocab, self.device,
+                                      self.precision.autocast, act_bytes, floor=cfg.memory.active)
+            self._needs = [RankNeed(**n) for n in all_gather_object(ctx, {
+                "rank": ctx.rank, "device": device_name(rank_device(cfg.cluster, ctx), self.device),
+                "budget": None if memory is None else float(memory), "activation_bytes": act})]
+        return self._needs
+
+    def _planned_shard_size(self) -> int:
+        """The shard group's size as configured, before the mesh exists (`layout` reads the mesh)."""
+        pc, world = self.cfg.parallel, self.ctx.world_size
+        return pc.mesh.shard or (world // pc.mesh.replicate if pc.mesh.replicate else world)
+
+    def _gather_bytes(self) -> int:
+        return 4 if self.precision.name == "fp32" else 2
 
     def _unit_params(self) -> int:
         """FSDP's unit floor: `parallel.unit_params` as set, or by default its value unless a rank
         fits only with one block a unit (`memory.sharding.unit_size_that_fits`, on every rank's
         memory and measured activations: the ranks must wrap the model alike)."""
-        cfg, ctx, pc = self.cfg, self.ctx, self.cfg.parallel
+        cfg, pc = self.cfg, self.cfg.parallel
         if not self.sharded or "unit_params" in pc.model_fields_set:
             return pc.unit_params
-        memory = device_memory_bytes(rank_device(cfg.cluster, ctx), self.device)
-        act = 0.0
-        if memory is not None:
-            act_bytes = 4 if self.precision.name == "fp32" else 2
-            act = activation_need(self.model_cfg, cfg.train.seq_len, self.vocab, self.device, self.precision.autocast,
-                                  act_bytes, floor=cfg.memory.active)
-        needs = [RankNeed(**n) for n in all_gather_object(ctx, {
-            "rank": ctx.rank, "device": device_name(rank_device(cfg.cluster, ctx), self.device),
-            "budget": None if memory is None else float(memory), "activation_bytes": act})]
-        shard = pc.mesh.shard or (ctx.world_size // pc.mesh.replicate if pc.mesh.replicate else ctx.world_size)
-        gather = 4 if self.precision.name == "fp32" else 2
-        units, why = unit_size_that_fits(self.model_cfg, cfg.train.optimizer, needs, self.strategy, shard, gather,
-                                         pc.offload, pc.unit_params)
+        units, why = unit_size_that_fits(self.model_cfg, cfg.train.optimizer, self._rank_needs(), self.strategy,
+                                         self._planned_shard_size(), self._gather_bytes(), pc.offload, pc.unit_params)
         if why:
             self.say(why)
         return units
@@ -539,10 +538,9 @@ class Trainer:
 
     def layout(self) -> ShardLayout:
         shard = shard_group_size(self.mesh) if self.mesh is not None else self.ctx.world_size
-        gather = 4 if self.precision.name == "fp32" else 2
-        shares = self.zero1_shares() if self.strategy == "zero1" else None
+        shares = self.zero1_shares if self.strategy == "zero1" else None
         return ShardLayout(self.strategy if self.strategy != "single" else "ddp",
-                           shard if self.strategy != "ddp" else 1, gather, self.cfg.parallel.offload,
+                           shard if self.strategy != "ddp" else 1, self._gather_bytes(), self.cfg.parallel.offload,
                            self.unit_params, shares[self.ctx.rank] if shares else None)
 
     def balance(self) -> BalancePlan:
@@ -567,7 +565,7 @@ class Trainer:
                                          state_weights=self.state_weights)
         if self.strategy == "zero1" and self.state_weights is not None:
             self.say(f"zero1: optimizer state in proportion to memory, rank shares "
-                     f"{', '.join(f'{x:.0%}' for x in self.zero1_shares())}")
+                     f"{', '.join(f'{x:.0%}' for x in self.zero1_shares)}")
         if offload:
             self.say(f"rank {ctx.rank}: optimizer state in host memory (it does not fit beside the weights and gradients)")
         self.components = {"scaler": self.scaler}  # the optimizer's state is read and written by name
