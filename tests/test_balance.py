@@ -9,7 +9,10 @@ from hetforge.cluster.balance import (
     RankInfo,
     TimeModel,
     balanced_plan,
+    collective_seconds,
+    equal_counts,
     equal_plan,
+    fit_link,
     fixed_plan,
     solve_counts,
 )
@@ -152,3 +155,46 @@ def test_under_fsdp_a_slow_device_is_slowed_where_each_module_runs(monkeypatch):
     assert len(slept) == 4 and all(t > 0 for t in slept[2:])  # each module's backward, b then a
     assert x.grad.tolist() == [6.0, 6.0]  # the marks are the identity
     assert Slowdown(None).install_per_module(mods, lambda: 0) == []
+
+
+# A CPU rank's probe as recorded in a 2-rank FSDP run of the tiny preset (seconds per micro-step):
+# two micro-batches of 4 timed a little faster than one of 8, and the probe sees no collectives.
+RECORDED = [(1, 0.02777), (2, 0.04755), (4, 0.08209), (8, 0.17330)]
+
+
+def test_collectives_per_micro_batch_make_fsdp_take_fewer_larger_micro_batches():
+    bare = TimeModel(RECORDED, 8)
+    assert bare.split(8)[0] == [4, 4]
+    # the same run's measured FSDP collectives: 9 a micro-batch, 14.7 ms together
+    priced = TimeModel(RECORDED, 8, per_micro_s=0.0147)
+    parts, t = priced.split(8)
+    assert parts == [8] and t == pytest.approx(0.17330 + 0.0147)
+    assert priced.split_in(8, 2)[1] == pytest.approx(2 * 0.08209 + 2 * 0.0147)
+    # an equal split under FSDP: every rank the same count, now one micro-batch each
+    infos = _infos(TimeModel(RECORDED, 8, per_micro_s=0.0147), TimeModel([(1, 0.0293), (2, 0.0557), (4, 0.0957),
+                                                                         (8, 0.1710)], 8, per_micro_s=0.0147))
+    plan = equal_counts(equal_plan(infos, 16), infos)
+    assert [s.micro_batches for s in plan.shares] == [[8], [8]]
+    bare_infos = _infos(TimeModel(RECORDED, 8), TimeModel([(1, 0.0293), (2, 0.0557), (4, 0.0957), (8, 0.1710)], 8))
+    assert [s.micro_batches for s in equal_counts(equal_plan(bare_infos, 16), bare_infos).shares] == [[4, 4], [4, 4]]
+    # balanced with equal counts: the count k is priced with its collectives too
+    assert all(len(s.micro_batches) == 1 for s in balanced_plan(infos, 16, equal_counts=True).shares)
+    # where memory allows only 4, two micro-batches stay, each with its collectives in the prediction
+    small = TimeModel(RECORDED[:3], 4, per_micro_s=0.0147)
+    assert small.split(8) == ([4, 4], pytest.approx(2 * 0.08209 + 2 * 0.0147))
+    fixed = fixed_plan(_infos(small, small), 16, [(8, 4), (8, 4)])
+    assert fixed.shares[0].predicted_s == pytest.approx(2 * 0.08209 + 2 * 0.0147)
+
+
+def test_the_link_is_fitted_from_two_timed_all_gathers():
+    # 2 ranks: a ring all-gather sends one part per rank; 16 MiB more took 16 ms more
+    latency, bw = fit_link({4096: 0.0004, 4096 + (16 << 20): 0.0164}, world=2)
+    assert latency == pytest.approx(0.0004) and bw == pytest.approx((16 << 20) / 0.016)
+    # 4 ranks send three parts each for the same time: three times the bandwidth
+    assert fit_link({4096: 0.0004, 4096 + (16 << 20): 0.0164}, world=4)[1] == pytest.approx(3 * bw)
+    # a larger buffer timed no slower: the link is too fast to see, only the latency counts
+    assert fit_link({4096: 0.001, 8192: 0.0009}, world=2) == (0.001, float("inf"))
+    assert collective_seconds(9, 10 << 20, 0.0004, float("inf")) == pytest.approx(0.0036)
+    assert collective_seconds(9, 1e9, 0.0004, 1e9) == pytest.approx(1.0036)
+    with pytest.raises(BalanceError, match="two sizes"):
+        fit_link({4096: 0.001}, world=2)

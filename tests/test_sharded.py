@@ -74,6 +74,8 @@ def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strate
     assert [s["samples"] for s in plan["shares"]] == [n for n, _ in shares]
     if strategy in ("zero2", "fsdp"):  # every micro-batch is a collective: the same count on every rank
         assert len({len(s["micro_batches"]) for s in plan["shares"]}) == 1
+        # and each micro-batch's collectives, timed on the run's group, priced the same for every rank
+        assert len({m["per_micro_s"] for m in plan["models"]}) == 1 and plan["models"][0]["per_micro_s"] > 0
         assert (ckpt.resolve(cfg.run_dir) / "dcp").is_dir()
         assert not (ckpt.resolve(cfg.run_dir) / "model.safetensors").exists()
 
@@ -169,6 +171,14 @@ def test_small_blocks_are_grouped_into_fsdp_units_and_large_ones_are_not():
     assert [list(g) for g in groups] == [[0, 1, 2], [3, 4, 5]]
     units = shard_units(tiny)
     assert sum(units) == count_parameters(tiny)["total"] and len(units) == 3
+    # what each micro-batch launches: fsdp gathers every unit twice (forward, backward) and
+    # reduce-scatters it once; zero2 keeps the forward's gather; ddp and zero1 once a step, not per micro-batch
+    from hetforge.model.accounting import collectives_per_micro_batch
+
+    assert collectives_per_micro_batch(tiny, "fsdp") == 9
+    assert collectives_per_micro_batch(tiny, "fsdp", 1) == 3 * (4 + 2)
+    assert collectives_per_micro_batch(tiny, "zero2") == 6
+    assert collectives_per_micro_batch(tiny, "ddp") == collectives_per_micro_batch(tiny, "zero1") == 0
 
 
 def test_sharded_bytes_follow_the_zero_paper():

@@ -20,6 +20,8 @@ from torch import nn
 
 from hetforge.cluster.balance import (
     BalancePlan,
+    collective_seconds,
+    fit_link,
     RankInfo,
     RankShare,
     TimeModel,
@@ -29,18 +31,27 @@ from hetforge.cluster.balance import (
     fixed_plan,
 )
 from hetforge.cluster.dist import DistContext, all_gather_object, broadcast_object
-from hetforge.cluster.probe import probe, proxy_model
+from hetforge.cluster.probe import probe, proxy_model, time_all_gathers
 from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
 from hetforge.config import RunConfig
 from hetforge.memory.device_plan import plan_for_config
 from hetforge.memory.milp import PlanError
-from hetforge.model.accounting import ShardLayout
+from hetforge.model.accounting import (
+    ShardLayout,
+    collective_bytes_per_step,
+    collectives_per_micro_batch,
+    shard_units,
+)
 
 PLAN_FILE = "balance.json"
+# what a saved plan was solved with: plans of an older pricing are solved again, not reused
+BALANCE_VERSION = 2
+LINK_PROBE_BYTES = (4096, 16 << 20)  # the all-gathers that time the link: latency, and bandwidth
 
 
 def _fingerprint(cfg: RunConfig, reports: list[dict], layout: ShardLayout | None = None) -> str:
     key = {
+        "version": BALANCE_VERSION,
         "layout": asdict(layout or ShardLayout()),
         "ranks": [(r["host"], r["device"], r["memory_gb"], r["declared"]) for r in reports],
         "model": cfg.model.model_dump(mode="json"),
@@ -60,6 +71,28 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
     b, B = cfg.train.micro_batch_size, cfg.train.global_batch_size
     parts = [b] * (B // b) + ([B % b] if B % b else [])
     return BalancePlan(B, "single", [RankShare(0, "localhost", "local", None, 0.0, b, B, parts, 0.0)])
+
+
+def micro_batch_collectives_s(cfg: RunConfig, ctx: DistContext, shape, layout: ShardLayout,
+                              device: torch.device) -> tuple[float, dict]:
+    """Seconds of the collectives each micro-batch runs under a sharded layout, the same for every
+    rank, and how they were priced: the link's latency and bandwidth from all-gathers timed on the
+    run's group (the slowest rank's figures), or `parallel.link_gbps` where declared."""
+    count = collectives_per_micro_batch(shape, layout.strategy, layout.unit_params)
+    if count == 0 or not ctx.distributed:
+        return 0.0, {}
+    biggest = max(shard_units(shape, layout.unit_params)) * layout.gather_bytes // max(layout.shard_size, 1)
+    sizes = sorted({LINK_PROBE_BYTES[0], max(min(biggest, LINK_PROBE_BYTES[1]), LINK_PROBE_BYTES[0] * 2)})
+    timed = time_all_gathers(device, sizes)
+    slowest = {n: max(r[str(n)] for r in all_gather_object(ctx, {str(k): v for k, v in timed.items()}))
+               for n in sizes}
+    latency, bandwidth = fit_link(slowest, ctx.world_size)
+    if cfg.parallel.link_gbps:
+        bandwidth = cfg.parallel.link_gbps * 1e9
+    sent = collective_bytes_per_step(shape, layout.strategy, layout.shard_size, 1, layout.gather_bytes)
+    seconds = collective_seconds(count, sent, latency, bandwidth)
+    return seconds, {"collectives": count, "bytes_sent": sent, "latency_s": latency, "bytes_per_s": bandwidth,
+                     "all_gather_s": {str(n): t for n, t in slowest.items()}}
 
 
 def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path,
@@ -107,6 +140,7 @@ def plan_for_run(
         memory_plans = _memory_planner(cfg, model, device, memory, run_dir, ctx.backend, layout)
     shape = getattr(model, "module", model).cfg
     static = sum(layout.static_bytes(shape, cfg.train.optimizer).values())
+    per_micro_s, link = micro_batch_collectives_s(cfg, ctx, shape, layout, device) if layout.sharded else (0.0, {})
     timed = proxy_model(shape, device) if layout.sharded else model
     tm, facts = probe(timed, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
                       Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
@@ -115,8 +149,14 @@ def plan_for_run(
     gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "step_costs": tm.step_costs,
                                        "facts": facts})
     infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"],
-                      TimeModel(g["points"], g["max_micro"], g["step_costs"]))
+                      TimeModel(g["points"], g["max_micro"], g["step_costs"], per_micro_s))
              for r, g in zip(reports, gathered)]
+    if link and console is not None and ctx.is_main:
+        bw = "free" if link["bytes_per_s"] == float("inf") else f"{link['bytes_per_s'] / 1e9:.2g} GB/s"
+        console.print(f"{layout.strategy}: {link['collectives']} collectives a micro-batch, priced "
+                      f"{per_micro_s * 1e3:.1f} ms ({link['latency_s'] * 1e3:.2f} ms each + "
+                      f"{link['bytes_sent'] / 2**20:.1f} MiB at {bw}"
+                      f"{' declared' if cfg.parallel.link_gbps else ' measured'})")
     B = cfg.train.global_batch_size
     if cfg.cluster.balance == "fixed":
         plan = fixed_plan(infos, B, [(a.samples, a.micro_batch_size) for a in cfg.cluster.assignments])
@@ -144,7 +184,8 @@ class DriftMonitor:
     def __init__(self, plan: BalancePlan, threshold: float, window: int, warmup_steps: int = 2):
         self.plan, self.threshold, self.window, self.warmup = plan, threshold, window, warmup_steps
         self.strikes, self.seen = 0, 0
-        self.models = [TimeModel(m["points"], m["max_micro"], m.get("step_costs", [])) for m in plan.models]
+        self.models = [TimeModel(m["points"], m["max_micro"], m.get("step_costs", []), m.get("per_micro_s", 0.0))
+                       for m in plan.models]
 
     def observe(self, compute_s: list[float]) -> BalancePlan | None:
         self.seen += 1

@@ -7,6 +7,10 @@ time. The balancer picks the n_i (summing exactly to the global batch) that mini
 max_i time_i(n_i): a greedy fill (each next sample to the rank whose time grows least) followed by
 single-sample moves off the slowest rank while they help. That is within one sample's time of the
 optimum for time models that grow with n, which measured ones do.
+
+Under FSDP every micro-step also gathers the weights and reduce-scatters the gradients, a cost that
+does not shrink with its size (`TimeModel.per_micro_s`, from a measured link): without it a probe
+that times two micro-batches of 4 a little faster than one of 8 would double the step's collectives.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ class TimeModel:
     # (micro-batch, seconds per optimizer step) paid once a step by a rank running that micro-batch,
     # whatever its share: the host optimizer step and copies of a plan that offloads it
     step_costs: list[tuple[int, float]] = field(default_factory=list)
+    # seconds of collectives every micro-step launches whatever its size (FSDP2 gathers each unit's
+    # weights and reduce-scatters its gradients per micro-batch): fewer, larger micro-batches save them
+    per_micro_s: float = 0.0
 
     def __post_init__(self):
         self.points = sorted((int(b), float(t)) for b, t in self.points)
@@ -66,7 +73,7 @@ class TimeModel:
 
     def scaled(self, factor: float) -> "TimeModel":
         return TimeModel([(b, t * factor) for b, t in self.points], self.max_micro,
-                         [(b, t * factor) for b, t in self.step_costs])
+                         [(b, t * factor) for b, t in self.step_costs], self.per_micro_s)
 
     def samples_per_s(self) -> float:
         return max(b / t for b, t in self.points if b <= self.max_micro)
@@ -76,7 +83,7 @@ class TimeModel:
         for b in sorted({b for b in self._bs if b <= self.max_micro} | {min(n, self.max_micro)}):
             a = math.ceil(n / b)
             q, r = divmod(n, a)  # r micro-steps of q + 1 samples, a - r of q
-            t = r * self(q + 1) + (a - r) * self(q) + self.step_cost(q + 1 if r else q)
+            t = r * self(q + 1) + (a - r) * self(q) + a * self.per_micro_s + self.step_cost(q + 1 if r else q)
             if best is None or t < best[0] - 1e-15:
                 best = (t, q, r, a)
         return best
@@ -99,7 +106,7 @@ class TimeModel:
         parts = [q + 1] * r + [q] * (k - r)
         if parts[0] > self.max_micro:
             return parts, math.inf
-        return parts, sum(self(max(p, 1)) for p in parts) + self.step_cost(max(parts[0], 1))
+        return parts, sum(self(max(p, 1)) for p in parts) + k * self.per_micro_s + self.step_cost(max(parts[0], 1))
 
     def cost_in(self, n: int, k: int) -> float:
         return self.split_in(n, k)[1]
@@ -194,6 +201,24 @@ class BalancePlan:
         return t
 
 
+def fit_link(timed: dict[int, float], world: int) -> tuple[float, float]:
+    """(seconds per collective, bytes each rank sends per second) from all-gathers timed at two or
+    more sizes (bytes each rank contributes -> seconds): a line through the smallest and the largest.
+    A ring all-gather sends (world - 1) times a rank's part. Where the larger one was not slower
+    (too small to see the link), the link is taken as free and only the latency counts."""
+    if len(timed) < 2:
+        raise BalanceError("fitting a link needs all-gathers timed at two sizes at least")
+    (n0, t0), (n1, t1) = min(timed.items()), max(timed.items())
+    sent = (world - 1) * (n1 - n0)
+    return max(t0, 0.0), (sent / (t1 - t0) if t1 > t0 and sent > 0 else math.inf)
+
+
+def collective_seconds(collectives: int, bytes_sent: float, latency_s: float, bytes_per_s: float) -> float:
+    """Time of `collectives` launches sending `bytes_sent` in all, one after another (an upper
+    bound where the device overlaps them with compute; what decides the micro-batch count either way)."""
+    return collectives * latency_s + (bytes_sent / bytes_per_s if bytes_sent else 0.0)
+
+
 @dataclass
 class RankInfo:
     """What a rank reports about itself for planning."""
@@ -207,7 +232,8 @@ class RankInfo:
 
 def _models(infos: list[RankInfo]) -> list[dict]:
     """The time models a plan was solved from, kept in the plan so re-balancing can rescale them."""
-    return [{"points": i.model.points, "max_micro": i.model.max_micro, "step_costs": i.model.step_costs} for i in infos]
+    return [{"points": i.model.points, "max_micro": i.model.max_micro, "step_costs": i.model.step_costs,
+             "per_micro_s": i.model.per_micro_s} for i in infos]
 
 
 def _shares(infos: list[RankInfo], counts: list[int]) -> list[RankShare]:
@@ -336,6 +362,7 @@ def fixed_plan(infos: list[RankInfo], global_batch: int, assignments: list[tuple
         a = math.ceil(n / b) if n else 0
         parts = [b] * (a - 1) + [n - b * (a - 1)] if a else []
         shares.append(RankShare(info.rank, info.host, info.device, info.memory_gb, info.model.samples_per_s(),
-                                info.model.max_micro, n, parts, sum(info.model(p) for p in parts)))
+                                info.model.max_micro, n, parts,
+                                sum(info.model(p) for p in parts) + len(parts) * info.model.per_micro_s))
     return BalancePlan(global_batch, "fixed", shares,
                        models=_models(infos))

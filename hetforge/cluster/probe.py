@@ -230,6 +230,29 @@ def probe(
     return TimeModel(points, limit, step_costs), facts
 
 
+def time_all_gathers(device: torch.device, sizes: list[int], repeats: int = 5) -> dict[int, float]:
+    """Median seconds of an all-gather on the run's default group for each size (bytes each rank
+    contributes), after one warm-up each. Every rank must call it with the same sizes: the
+    collectives pace each other, so the ranks time the same events."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    out = {}
+    for n in sizes:
+        x = torch.ones(max(n // 4, 1), dtype=torch.float32, device=device)
+        y = torch.empty(world * x.numel(), dtype=torch.float32, device=device)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            dist.all_gather_single(y, x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        out[n] = statistics.median(times)
+    return out
+
+
 def keep_all_fits(dp) -> bool:
     return dp.budget is None or dp.keep_all.peak_bytes <= dp.budget
 

@@ -37,7 +37,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 9
+PROFILE_VERSION = 10
 
 
 def _sync(device: torch.device) -> None:
@@ -93,7 +93,7 @@ def host_optimizer_seconds_per_param() -> float:
     if not _HOST_STEP:
         p = torch.zeros(2**21, requires_grad=True)
         p.grad = torch.ones_like(p)
-        opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW([p], lr=1e-3, fused=True)  # the kernel the host optimizer runs (train.optim)
         _HOST_STEP.append(_timed(opt.step, torch.device("cpu"), 3) / p.numel())
     return _HOST_STEP[0]
 

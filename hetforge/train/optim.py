@@ -126,8 +126,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
             (lambda params, **kw: ProportionalZero(params, state_weights, **kw))
         if cfg.optimizer == "lamb":
             return zero(groups, optimizer_class=Lamb, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-        kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        return zero(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
+        return zero(groups, optimizer_class=torch.optim.AdamW, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                    **_adamw_kernel(device))
     if offload:
         return HostOffloadOptimizer(groups, lambda host_groups: _make(host_groups, cfg, torch.device("cpu")))
     return _make(groups, cfg, device)
@@ -136,9 +136,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device,
 def _make(groups: list[dict], cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     if cfg.optimizer == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
-    # The fused kernel is one launch for all parameters on CUDA; on CPU the foreach path is fastest.
-    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **_adamw_kernel(device))
+
+
+def _adamw_kernel(device: torch.device) -> dict:
+    """The fused kernel (one pass over each tensor, one launch per group) on CUDA and on the CPU:
+    on the CPU with torch 2.13 it measured 3.5-8x faster than the multi-tensor path, which makes
+    one pass per arithmetic op (the tiny preset's tensors and eight 2048x2048 matrices, one
+    thread); on a sharded model it is also one DTensor dispatch per group instead of one per op."""
+    return {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
 
 
 class HostOffloadOptimizer:
