@@ -175,8 +175,6 @@ def test_collectives_per_micro_batch_make_fsdp_take_fewer_larger_micro_batches()
                                                                          (8, 0.1710)], 8, per_micro_s=0.0147))
     plan = equal_counts(equal_plan(infos, 16), infos)
     assert [s.micro_batches for s in plan.shares] == [[8], [8]]
-    bare_infos = _infos(TimeModel(RECORDED, 8), TimeModel([(1, 0.0293), (2, 0.0557), (4, 0.0957), (8, 0.1710)], 8))
-    assert [s.micro_batches for s in equal_counts(equal_plan(bare_infos, 16), bare_infos).shares] == [[4, 4], [4, 4]]
     # balanced with equal counts: the count k is priced with its collectives too
     assert all(len(s.micro_batches) == 1 for s in balanced_plan(infos, 16, equal_counts=True).shares)
     # where memory allows only 4, two micro-batches stay, each with its collectives in the prediction
@@ -198,3 +196,21 @@ def test_the_link_is_fitted_from_two_timed_all_gathers():
     assert collective_seconds(9, 1e9, 0.0004, 1e9) == pytest.approx(1.0036)
     with pytest.raises(BalanceError, match="two sizes"):
         fit_link({4096: 0.001}, world=2)
+
+
+def test_equal_counts_takes_the_count_whose_slowest_rank_is_fastest():
+    # rank 0 pays 50 ms per micro-step whatever its size: one micro-batch of 48 is its best;
+    # rank 1 runs single samples cheaply: 48 micro-batches of 1 are its best
+    sizes = (1, 2, 4, 8, 16, 32, 48)
+    fixed_cost = TimeModel([(b, 0.05 + 0.01 * b) for b in sizes], 48, per_micro_s=0.001)
+    singles = TimeModel([(1, 0.005)] + [(b, 0.012 * b) for b in sizes[1:]], 48, per_micro_s=0.001)
+    infos = _infos(fixed_cost, singles)
+    alone = equal_plan(infos, 96)
+    assert [s.grad_accum for s in alone.shares] == [1, 48]
+    # forcing the larger count on both would cost rank 0 48 x 61 ms; one micro-batch each is best
+    plan = equal_counts(alone, infos)
+    assert [s.micro_batches for s in plan.shares] == [[48], [48]]
+    assert max(s.predicted_s for s in plan.shares) == pytest.approx(0.576 + 0.001)
+    # a rank without samples still runs the same count (dummy micro-batches)
+    zero = equal_counts(fixed_plan(infos, 96, [(96, 48), (0, 1)]), infos)
+    assert [len(s.micro_batches) for s in zero.shares] == [2, 2] and zero.shares[1].micro_batches == [0, 0]

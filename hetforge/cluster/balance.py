@@ -289,12 +289,7 @@ def count_candidates(infos: list[RankInfo], global_batch: int, limit: int = 64) 
     to one sample per micro-batch on an even share, thinned to `limit` values."""
     lo = max(1, math.ceil(global_batch / sum(i.model.max_micro for i in infos)))
     hi = max(lo, math.ceil(global_batch / len(infos)))
-    ks = sorted({lo, hi} | {math.ceil(global_batch / len(infos) / b) for b in range(1, hi + 1)})
-    ks = [k for k in ks if lo <= k <= hi]
-    if len(ks) > limit:
-        step = len(ks) / limit
-        ks = sorted({ks[int(i * step)] for i in range(limit)} | {ks[-1]})
-    return ks
+    return _thinned(lo, hi, hi, limit)
 
 
 def balanced_plan(infos: list[RankInfo], global_batch: int, equal_counts: bool = False) -> BalancePlan:
@@ -328,13 +323,32 @@ def _shares_in(infos: list[RankInfo], counts: list[int], k: int) -> list[RankSha
 
 
 def equal_counts(plan: BalancePlan, infos: list[RankInfo]) -> BalancePlan:
-    """The same shares, each split into as many micro-batches as the rank that needs most: for a
-    strategy whose every micro-batch is a collective (an equal or fixed plan under FSDP)."""
-    k = max(max(s.grad_accum for s in plan.shares), 1)
-    if all(s.grad_accum == k for s in plan.shares):
+    """The same shares, each split into one number k of micro-batches, for a strategy whose every
+    micro-batch is a collective (an equal or fixed plan under FSDP): the k whose slowest rank is
+    fastest. Not the count the busiest rank would pick for itself: a rank that prefers 48 micro-
+    batches of 1 would force them on a rank whose best is 3 of 16."""
+    counts = [s.samples for s in plan.shares]
+    if len({s.grad_accum for s in plan.shares if s.samples}) <= 1 and all(s.grad_accum for s in plan.shares):
         return plan
-    plan.shares = _shares_in(infos, [s.samples for s in plan.shares], k)
+    lo = max(max(math.ceil(n / max(i.model.max_micro, 1)) for i, n in zip(infos, counts)), 1)
+    hi = max(lo, max(counts))
+    best = None
+    for k in _thinned(lo, hi, max(counts)):
+        t = max(i.model.cost_in(n, k) for i, n in zip(infos, counts))
+        if best is None or t < best[0] - 1e-15:
+            best = (t, k)
+    plan.shares = _shares_in(infos, counts, best[1])
     return plan
+
+
+def _thinned(lo: int, hi: int, n: int, limit: int = 64) -> list[int]:
+    """Counts from lo to hi worth trying for n samples: those that change the micro-batch size
+    (n / k rounded up), thinned to `limit` values, the ends kept."""
+    ks = sorted(k for k in {lo, hi} | {math.ceil(n / b) for b in range(1, n + 1)} if lo <= k <= hi)
+    if len(ks) > limit:
+        step = len(ks) / limit
+        ks = sorted({ks[int(i * step)] for i in range(limit)} | {ks[-1]})
+    return ks
 
 
 def equal_plan(infos: list[RankInfo], global_batch: int) -> BalancePlan:
