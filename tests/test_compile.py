@@ -4,7 +4,6 @@ whether a memory plan is active."""
 import pytest
 import torch
 
-from hetforge.config import ConfigError
 from hetforge.core.metrics import read_metrics
 from hetforge.train.loop import train
 from hetforge.train.parallel import compile_decision
@@ -22,7 +21,57 @@ def test_compiled_blocks_train_like_eager_and_the_cold_start_is_logged(make_cfg)
 def test_compile_decision():
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     assert compile_decision("auto", gpu, False)[0] and not compile_decision("auto", cpu, False)[0]
-    assert not compile_decision("auto", gpu, True)[0]  # a plan is active: off, and said why
     assert compile_decision("on", cpu, False)[0] and not compile_decision("off", gpu, False)[0]
-    with pytest.raises(ConfigError, match="train.compile=on"):
-        compile_decision("on", gpu, True)
+    # under a memory plan too, saying that the plan's per-op choices run eager
+    on, why = compile_decision("auto", gpu, True)
+    assert on and "per-op choices run eager" in why
+    assert compile_decision("on", cpu, True)[0] and not compile_decision("auto", cpu, True)[0]
+
+
+def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gradients():
+    """Keeping a branch or recomputing it whole runs the compiled branch (inside the checkpoint);
+    a branch whose plan caches or offloads some of its units runs the eager one. Every plan's
+    gradients equal the plain eager model's within compiled float rounding, and an offloaded block
+    input comes back at the layout the compiled backward checks."""
+    from hetforge.memory.executor import apply_plan, per_op_decisions
+    from hetforge.memory.plan import OPTIONS, Plan, resolve_option, sqrt_segments
+    from hetforge.train.parallel import compile_blocks
+    from tests.test_memory_exec import MIXED, _cfg, _step
+    from hetforge.memory.executor import input_users
+    from hetforge.model.gpt_neox import GPTNeoX
+
+    users = input_users(True)
+    routes = {o: [per_op_decisions(resolve_option(o, users).branch(b), resolve_option(o, users).branch(b).mode)
+                  for b in ("attn", "mlp")] for o in ["keep", "recompute", "offload", "recompute-mlp"] + MIXED[:1]}
+    assert routes == {"keep": [False, False], "recompute": [False, False], "offload": [True, True],
+                      "recompute-mlp": [False, False], MIXED[0]: [True, True]}
+
+    torch.manual_seed(0)
+    cfg = _cfg(True)
+    model = GPTNeoX(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 33))
+    ref, _ = _step(model, idx)
+    compile_blocks(model)
+    calls = {"eager": 0}
+    for block in model.layers:  # count the eager branches the runner falls back to
+        for name in ("attn_branch", "mlp_branch"):
+            orig = getattr(block, name)._torchdynamo_orig_callable
+
+            def counted(*a, _f=orig):
+                calls["eager"] += 1
+                return _f(*a)
+            getattr(block, name)._torchdynamo_orig_callable = counted
+    plans = [Plan([o] * cfg.n_layers) for o in list(OPTIONS) + MIXED[:2]]
+    plans.append(Plan(["keep"] * cfg.n_layers, segments=sqrt_segments(cfg.n_layers)))
+    plans.append(Plan(["attn:keep | mlp:recompute | offload[x]"] * cfg.n_layers))  # the block input offloaded, branches compiled
+    for plan in plans:
+        calls["eager"] = 0
+        runner = apply_plan(model, plan)
+        got, _ = _step(model, idx)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{plan.options[0]}: {m}")
+        assert runner.ledger.device_bytes == 0 and runner.ledger.host_bytes == 0
+        d = resolve_option(plan.options[0], users)
+        per_op = any(per_op_decisions(d.branch(b), d.branch(b).mode) for b in ("attn", "mlp"))
+        assert (calls["eager"] > 0) == per_op, (plan.options[0], calls)
+    apply_plan(model, None)

@@ -32,20 +32,34 @@ from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_byte
 from hetforge.model.gpt_neox import Blocks
 
 
+def dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of a tensor that covers its elements without gaps or overlap (contiguous, or a
+    permutation of it), else None."""
+    expected = 1
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
 class _HostCopy:
     """One offloaded view: its host copy and, once prefetched, the device tensor. Only the saved
-    tensors that use it hold it, so it (and the fetched tensor) goes when their backward is done."""
+    tensors that use it hold it, so it (and the fetched tensor) goes when their backward is done.
+    A dense tensor comes back with its own strides: a compiled backward checks the layout of what
+    its forward saved (a transposed attention tensor, say)."""
 
-    __slots__ = ("host", "shape", "dtype", "device", "tensor", "event", "nbytes", "serial", "__weakref__")
+    __slots__ = ("host", "shape", "stride", "dtype", "device", "tensor", "event", "nbytes", "serial", "__weakref__")
     _serials = itertools.count()
 
     def __init__(self, t: torch.Tensor, stream):
         self.serial = next(self._serials)  # storage addresses are reused once freed; this is not
         self.shape, self.dtype, self.device, self.nbytes = t.shape, t.dtype, t.device, tensor_bytes(t)
+        self.stride = dense_strides(t)
         self.tensor, self.event = None, None
         if t.device.type == "cuda":
             stream.wait_stream(torch.cuda.current_stream(t.device))
-            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host = self._empty(pin_memory=True)
             with torch.cuda.stream(stream):
                 self.host.copy_(t, non_blocking=True)
             t.record_stream(stream)
@@ -62,7 +76,12 @@ class _HostCopy:
             self.event.record(stream)
         else:
             src = torch.from_numpy(self.host).view(self.dtype).view(self.shape)
-            self.tensor = torch.empty(self.shape, dtype=self.dtype).copy_(src)
+            self.tensor = self._empty().copy_(src)
+
+    def _empty(self, pin_memory: bool = False) -> torch.Tensor:
+        if self.stride is None:
+            return torch.empty(self.shape, dtype=self.dtype, pin_memory=pin_memory)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, pin_memory=pin_memory)
 
     def get(self) -> torch.Tensor:
         if self.event is not None:
@@ -265,6 +284,8 @@ class PlanRunner:
     def _run_branch(self, block: int, name: str, fn, *args):
         bp = self.decisions[block].branch(name)
         mode = "keep" if block in self._in_segment else bp.mode
+        if per_op_decisions(bp, mode):
+            fn = eager(fn)
         st = self._state[block]
         if name == "mlp" and storage_key(args[0]) not in st.inputs:
             st.inputs[storage_key(args[0])] = "mlp.input"  # sequential residual: x + attention
@@ -335,6 +356,21 @@ class PlanRunner:
 
     def install_labels(self, layers) -> list:
         return [h for block in layers for h in self.labeller.install(block)]
+
+
+def per_op_decisions(bp, mode: str) -> bool:
+    """Whether a branch's plan treats its saved units one by one: outputs cached in a selective
+    recomputation, or units offloaded. Those choices are made on the eager ops and their saved
+    tensors, which a compiled branch replaces with its own: views into its fused buffers (q, k and
+    v of one projection), which only the whole buffer could bring back at the strides its backward
+    checks. Such a branch runs eager. Keeping a branch, recomputing it whole and offloading the
+    block's input need no op's name and run compiled where the model is (`train.compile`)."""
+    return bool(bp.units)
+
+
+def eager(fn):
+    """The function a `torch.compile` wrapper compiles (itself if it is not one)."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
 def parameter_storages(model: torch.nn.Module) -> set[int]:

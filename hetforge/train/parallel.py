@@ -220,20 +220,16 @@ def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strate
 
 
 def compile_decision(mode: str, device: torch.device, memory_plan: bool) -> tuple[bool, str]:
-    """(compile?, why). A memory plan's per-tensor hooks and recompute wrappers see the eager
-    block's saved tensors, which a compiled graph replaces with its own, so the two do not mix yet."""
+    """(compile?, why). Under a memory plan the branches that keep, offload all or recompute whole
+    run compiled; those whose plan picks among their ops' outputs run eager
+    (`memory.executor.per_op_decisions`), and the plan is priced on the eager profile."""
     if mode == "off":
         return False, "train.compile=off"
-    if memory_plan:
-        if mode == "on":
-            raise ConfigError("train.compile=on cannot run under an activation memory plan yet (the plan's "
-                              "per-tensor decisions need the eager block's saved tensors); use train.compile=auto "
-                              "or off, or no memory.budget")
-        return False, "an activation memory plan is active (compile and plans do not mix yet)"
+    plan = " (a memory plan's per-op choices run eager)" if memory_plan else ""
     if mode == "on":
-        return True, "train.compile=on"
+        return True, "train.compile=on" + plan
     if device.type == "cuda":
-        return True, "auto: on a GPU, compiled blocks are typically 1.2-1.5x faster"
+        return True, "auto: on a GPU, compiled blocks are typically 1.2-1.5x faster" + plan
     return False, "auto: off on a CPU, where compiling gains little and costs a cold start"
 
 
