@@ -60,8 +60,10 @@ def test_resume_is_bitwise_identical(make_cfg):
 def test_grad_accumulation_matches_one_big_micro_batch(make_cfg):
     one = train(make_cfg("one", steps=4, micro_batch_size=8, grad_accum=1))
     acc = train(make_cfg("acc", steps=4, micro_batch_size=2, grad_accum=4))
+    # a few fp32 ulps of the loss: the micro-batches' gradients are summed in another order, which
+    # AdamW's g / sqrt(v) magnifies on near-zero entries; a missing or doubled 1/accum moves it ~1e-2
     for s in range(1, 5):
-        assert acc.losses[s] == pytest.approx(one.losses[s], abs=1e-6)
+        assert acc.losses[s] == pytest.approx(one.losses[s], rel=1e-6)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(make_cfg, capsys):
