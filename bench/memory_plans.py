@@ -237,31 +237,24 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
         entry = {"budget": round(f, 3)}
         cands = {"keep-all": "keep-all", "full": "full", "sqrt(n)": "sqrt(n)"}
         cands.update({s: chosen[(f, s)] for s in ("recompute-only MILP", "hetforge MILP") if (f, s) in chosen})
-        line, series = [], {}
+        line = []
         for s, key in cands.items():
             t, m = statistics.median(rel[key]), peaks[key] / ref_m
             fits = peaks[key] <= cap * 1.0001
             entry[s] = {"time": round(t, 4), "memory": round(m, 4), "fits": fits, "plan": key if key in (
                 "keep-all", "full", "sqrt(n)") else "milp", "predicted_time": round(
                 measured[key]["predicted_s"] / measured["keep-all"]["predicted_s"], 4)}
-            series[s] = (key, rel[key], True)
             line.append(f"{s} {t:.3f}x/{m:.2f}{'' if fits else ' (over)'}")
-        if f in compiled:
-            c = compiled[f]
-            fits = c["peak"] <= cap * 1.0001
-            entry["torch.compile budget"] = {"time": round(statistics.median(c["rel"]), 4),
-                                             "memory": round(c["peak"] / ref_m, 4), "fits": fits,
-                                             "time_vs_eager_keep_all": round(statistics.median(c["vs_eager_keep"]), 4)}
-            line.append(f"torch.compile {entry['torch.compile budget']['time']:.3f}x/{c['peak'] / ref_m:.2f}"
-                        f"{'' if fits else ' (over)'}")
+        for s, label, runs in (("torch.compile budget", "torch.compile", compiled),
+                               ("hetforge MILP compiled", "hetforge compiled", het_compiled)):
+            if f in runs:  # compiled code, against torch.compile's keep-all compile
+                r = runs[f]
+                fits = r["peak"] <= cap * 1.0001
+                entry[s] = {"time": round(statistics.median(r["rel"]), 4), "memory": round(r["peak"] / ref_m, 4),
+                            "fits": fits, "time_vs_eager_keep_all": round(statistics.median(r["vs_eager_keep"]), 4)}
+                line.append(f"{label} {entry[s]['time']:.3f}x/{r['peak'] / ref_m:.2f}{'' if fits else ' (over)'}")
         if f in het_compiled:  # against torch.compile's budget: compiled code against compiled code
             h = het_compiled[f]
-            fits = h["peak"] <= cap * 1.0001
-            entry["hetforge MILP compiled"] = {"time": round(statistics.median(h["rel"]), 4),
-                                               "memory": round(h["peak"] / ref_m, 4), "fits": fits,
-                                               "time_vs_eager_keep_all": round(statistics.median(h["vs_eager_keep"]), 4)}
-            line.append(f"hetforge compiled {entry['hetforge MILP compiled']['time']:.3f}x/{h['peak'] / ref_m:.2f}"
-                        f"{'' if fits else ' (over)'}")
             c = compiled.get(f)
             if c is not None and entry["torch.compile budget"]["fits"]:
                 est, lo, hi = ratio_interval(h["vs_eager_keep"], c["vs_eager_keep"], paired=False)
@@ -273,11 +266,11 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
         if het:
             hkey = chosen[(f, "hetforge MILP")]
             beaten, verdicts = [], {}
-            for s, (key, r, same_rounds) in series.items():
+            for s, key in cands.items():  # eager baselines, run in the same rounds as hetforge's plan
                 if s == "hetforge MILP" or not entry[s]["fits"] or key == hkey:
                     continue
                 # hetforge's time / the baseline's: "slower" only when the whole interval is above 1
-                est, lo, hi = ratio_interval(rel[hkey], r, paired=same_rounds)
+                est, lo, hi = ratio_interval(rel[hkey], rel[key], paired=True)
                 verdicts[s] = [round(est, 4), round(lo, 4), round(hi, 4)]
                 if lo > 1.0:
                     beaten.append(s)

@@ -41,8 +41,7 @@ def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gr
     from hetforge.model.gpt_neox import GPTNeoX
 
     users = input_users(True)
-    routes = {o: [per_op_decisions(resolve_option(o, users).branch(b), resolve_option(o, users).branch(b).mode)
-                  for b in ("attn", "mlp")] for o in ["keep", "recompute", "offload", "recompute-mlp"] + MIXED[:1]}
+    routes = {o: [per_op_decisions(resolve_option(o, users).branch(b)) for b in ("attn", "mlp")] for o in ["keep", "recompute", "offload", "recompute-mlp"] + MIXED[:1]}
     assert routes == {"keep": [False, False], "recompute": [False, False], "offload": [True, True],
                       "recompute-mlp": [False, False], MIXED[0]: [True, True]}
 
@@ -72,6 +71,6 @@ def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gr
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{plan.options[0]}: {m}")
         assert runner.ledger.device_bytes == 0 and runner.ledger.host_bytes == 0
         d = resolve_option(plan.options[0], users)
-        per_op = any(per_op_decisions(d.branch(b), d.branch(b).mode) for b in ("attn", "mlp"))
+        per_op = any(per_op_decisions(d.branch(b)) for b in ("attn", "mlp"))
         assert (calls["eager"] > 0) == per_op, (plan.options[0], calls)
     apply_plan(model, None)

@@ -20,14 +20,14 @@ from torch import nn
 
 from hetforge.cluster.balance import (
     BalancePlan,
-    collective_seconds,
-    fit_link,
     RankInfo,
     RankShare,
     TimeModel,
     balanced_plan,
+    collective_seconds,
     equal_counts,
     equal_plan,
+    fit_link,
     fixed_plan,
 )
 from hetforge.cluster.dist import DistContext, all_gather_object, broadcast_object

@@ -19,6 +19,7 @@ from dataclasses import replace
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -234,8 +235,6 @@ def time_all_gathers(device: torch.device, sizes: list[int], repeats: int = 5) -
     """Median seconds of an all-gather on the run's default group for each size (bytes each rank
     contributes), after one warm-up each. Every rank must call it with the same sizes: the
     collectives pace each other, so the ranks time the same events."""
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     out = {}
     for n in sizes:

@@ -284,7 +284,7 @@ class PlanRunner:
     def _run_branch(self, block: int, name: str, fn, *args):
         bp = self.decisions[block].branch(name)
         mode = "keep" if block in self._in_segment else bp.mode
-        if per_op_decisions(bp, mode):
+        if per_op_decisions(bp):
             fn = eager(fn)
         st = self._state[block]
         if name == "mlp" and storage_key(args[0]) not in st.inputs:
@@ -358,7 +358,7 @@ class PlanRunner:
         return [h for block in layers for h in self.labeller.install(block)]
 
 
-def per_op_decisions(bp, mode: str) -> bool:
+def per_op_decisions(bp) -> bool:
     """Whether a branch's plan treats its saved units one by one: outputs cached in a selective
     recomputation, or units offloaded. Those choices are made on the eager ops and their saved
     tensors, which a compiled branch replaces with its own: views into its fused buffers (q, k and

@@ -214,7 +214,6 @@ def collective_bytes_per_step(shape: GPTNeoXConfig, strategy: str, shard_size: i
     return micro_batches * (gathers * gather_bytes * n + GRAD_BYTES * n) * ring
 
 
-
 def collectives_per_micro_batch(shape: GPTNeoXConfig, strategy: str, min_unit_params: int = MIN_UNIT_PARAMS) -> int:
     """Collectives each micro-batch launches under FSDP2: per unit (`shard_units`) one all-gather of
     its weights for the forward, another for the backward where they were freed after the forward
@@ -223,6 +222,7 @@ def collectives_per_micro_batch(shape: GPTNeoXConfig, strategy: str, min_unit_pa
     if strategy not in ("zero2", "fsdp"):
         return 0
     return len(shard_units(shape, min_unit_params)) * (2 if strategy == "zero2" else 3)
+
 
 @dataclass(frozen=True)
 class ShardLayout:

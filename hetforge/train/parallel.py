@@ -220,8 +220,8 @@ def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strate
 
 
 def compile_decision(mode: str, device: torch.device, memory_plan: bool) -> tuple[bool, str]:
-    """(compile?, why). Under a memory plan the branches that keep, offload all or recompute whole
-    run compiled; those whose plan picks among their ops' outputs run eager
+    """(compile?, why). Under a memory plan the branches kept or recomputed whole run compiled;
+    those whose plan caches or offloads some of their units run eager
     (`memory.executor.per_op_decisions`), and the plan is priced on the eager profile."""
     if mode == "off":
         return False, "train.compile=off"
