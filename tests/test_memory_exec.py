@@ -2,6 +2,7 @@
 training loop's own check."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from hetforge.memory.executor import apply_plan, runner_of
 from hetforge.memory.measure import PeakMeter
 from hetforge.memory.milp import menu_for, minimum_budget, solve
 from hetforge.memory.plan import OPTIONS, Plan, simulate, sqrt_segments
-from hetforge.memory.profile import profile_model
+from hetforge.memory.profile import profile_block, profile_model, timing_depth
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 from hetforge.train.loop import train
 from hetforge.core.metrics import read_metrics
@@ -84,6 +85,31 @@ def test_saved_bytes_and_peaks_match_the_prediction(parallel):
         # copies early); down to 0.78 where a recomputed branch caches outputs (priced by an upper bound)
         assert peak <= pred.activation_peak * 1.01, o  # the plan never uses more than predicted
         assert peak >= pred.activation_peak * 0.70, o  # and the prediction is not loose
+
+
+def test_timing_a_chain_of_blocks_leaves_the_memory_figures_alone():
+    """The profile times copies of the block in a row (`timing_depth`); what it measures of memory
+    (peaks, saved units, op units' bytes) is the one block's either way, and the times stay per block
+    and positive."""
+    cfg = _cfg(n_layers=4)
+    alone = profile_block(cfg, 2, 32, "fp32", torch.device("cpu"), repeats=1, chain=1)
+    chain = profile_block(cfg, 2, 32, "fp32", torch.device("cpu"), repeats=1, chain=4)
+    assert chain.peaks == alone.peaks
+    assert chain.tensors == alone.tensors
+    assert [(u.name, u.kind, u.bytes) for u in chain.units] == [(u.name, u.kind, u.bytes) for u in alone.units]
+    for bp in (alone, chain):
+        assert bp.fwd_s > 0 and bp.bwd_s > 0
+        assert all(v >= 0 for r in bp.recompute.values() for v in r.values())
+
+
+def test_timing_depth_is_the_model_depth_within_a_quarter_of_free_memory():
+    cpu = torch.device("cpu")
+    assert timing_depth(12, 1024, cpu) == 12
+    assert timing_depth(1, 1024, cpu) == 1
+    assert timing_depth(12, 0, cpu) == 12
+    assert timing_depth(12, 1e18, cpu) == 1  # nothing beyond the one block fits: timed alone
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 2 <= timing_depth(64, free / 4 / 8, cpu) <= 16  # about 8 (free memory moves a little)
 
 
 @pytest.mark.parametrize("frac", [1.0, 0.6, 0.35])

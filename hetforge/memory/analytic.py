@@ -52,9 +52,9 @@ def measure_proxies(cfg: GPTNeoXConfig, precision: str, optimizer: str = "adamw"
     gradient buffers) plus a part that grows with the tokens; two points give both. The proxies'
     link is a placeholder (each card's own is set later): one pair serves every card. 16-bit
     matmuls run in fp32 tiles (`Fp32Matmul`): a CPU's own bf16 matmul may be ~300x slower and only
-    the dtypes matter here, as the times are taken from FLOPs."""
+    the dtypes matter here, as the times are taken from FLOPs (so one block is timed, not a chain)."""
     return tuple(profile_model(cfg, 1, s_, precision, "cpu", PROXY_LINK, optimizer, cache_dir, repeats=1,
-                               fp32_matmul=True) for s_ in (proxy_seq, 2 * proxy_seq))
+                               fp32_matmul=True, chain=1) for s_ in (proxy_seq, 2 * proxy_seq))
 
 
 def analytic_profile(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: DeviceInfo, optimizer: str = "adamw",

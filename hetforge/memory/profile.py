@@ -3,8 +3,10 @@ its units (`hetforge.memory.units`): the bytes of each saved unit on the device 
 host, and the bytes and forward time of each op unit; the head (final norm, logits, loss) likewise;
 and the host link.
 
-Blocks of a GPT-NeoX are identical, so one standalone block is measured (through the real executor)
-and repeated n times: profiling forge-l needs one block's memory, not 22B parameters. Saved bytes
+Blocks of a GPT-NeoX are identical, so one block's memory is measured (through the real executor)
+and repeated n times: profiling forge-l needs one block's memory, not 22B parameters. Its times are
+taken over copies of it run in a row, as the model runs them, as many as the model has and a quarter
+of the free memory holds (`timing_depth`): a block timed alone runs from a warm cache. Saved bytes
 come from the executor's ledger (saved-tensor hooks, per storage) and op outputs from a dispatch
 mode, so both are exact; peaks come from `PeakMeter` (the CUDA allocator's statistics, or the
 profiler's allocation events on the CPU). An op unit's time is the branch's measured forward time
@@ -16,8 +18,10 @@ micro-batch, seq, precision, device, link).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -37,7 +41,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 10
+PROFILE_VERSION = 11
 
 
 def _sync(device: torch.device) -> None:
@@ -108,11 +112,13 @@ def measuring_machine(device: torch.device) -> str:
 
 
 def _cache_key(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-               link: float | None, optimizer: str, fp32_matmul: bool = False) -> str:
+               link: float | None, optimizer: str, fp32_matmul: bool = False, chain: int | None = None) -> str:
     fields = [PROFILE_VERSION, cfg.to_dict(), micro_batch, seq, precision, measuring_machine(device), link, optimizer,
               torch.__version__]
     if fp32_matmul:  # only then, so that measured profiles keep their keys
         fields.append("fp32-matmul")
+    if chain is not None:
+        fields.append(f"chain-{chain}")
     blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -216,7 +222,7 @@ def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]]) -> list
 
 
 def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-                  repeats: int = 3, min_seconds: float = 0.0) -> BlockProfile:
+                  repeats: int = 3, min_seconds: float = 0.0, chain: int = 1) -> BlockProfile:
     torch.manual_seed(0)
     block = Block(cfg).to(device)
     rot = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base).to(device)
@@ -290,8 +296,10 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
+    weights = sum(tensor_bytes(p) for p in block.parameters())
+    depth = timing_depth(chain, sum(t["bytes"] for t in tensors) + 2 * weights, device)  # + weights and gradients
     extra, fwd_s, bwd_s = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device,
-                                      max(2 * repeats, 7), min_seconds)
+                                      max(2 * repeats, 7), min_seconds, depth)
     recompute = {}
     for br in BRANCHES:
         names = [n for n in clocks[0].bytes if n.startswith(br + ".")]
@@ -306,18 +314,40 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute)
 
 
+def timing_depth(n_layers: int, block_bytes: float, device: torch.device) -> int:
+    """How many blocks the profile times in a row: the model's depth, as far as a quarter of the free
+    memory holds their weights, gradients and saved activations (`block_bytes` each). A block timed
+    alone finds its weights and what its forward saved still in the cache when its backward reads
+    them; inside the model the other blocks have passed through the cache in between, so keeping
+    costs more there and recomputing (which makes its activations afresh) relatively less. Measured
+    on the CPU (small-12 of `bench/memory_plans.py`, /tmp diagnostics): a block's forward and
+    backward took 9.3 ms alone, 10.3 ms as one block run 12 times in a row and 10.6 ms as 12 blocks
+    in a row, against 11.0 ms in the 12-block model; recomputing a block cost 4.3 ms over keeping it
+    alone, against 2.9 ms in the model."""
+    if n_layers <= 1 or block_bytes <= 0:
+        return max(n_layers, 1)
+    free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+            else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return int(max(1, min(n_layers, free // 4 // block_bytes)))
+
+
 def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin, ac, device,
-                rounds: int, min_seconds: float = 0.0) -> tuple[dict[str, float], float, float]:
+                rounds: int, min_seconds: float = 0.0, depth: int = 1) -> tuple[dict[str, float], float, float]:
     """Per option (but "keep"), the median over rounds of its forward + backward time less keep's in
-    the same round; and the plain block's forward and backward (what keep-all runs). The options
-    are interleaved round by round and their differences taken within a round, so that a shared
-    machine's drift, which moves every option alike, cancels out of the prices of recomputation
-    (a few percent of a block: a median of whole times, each off by the drift, would bury them).
-    Rounds go on until `min_seconds` have passed: a CPU measured for a few milliseconds is measured
-    in a burst (turbo, an idle neighbour) that the minutes of a training run do not keep."""
+    the same round; and the plain block's forward and backward (what keep-all runs); all per block,
+    timed over `depth` blocks in a row (`timing_depth`). The options are interleaved round by round
+    and their differences taken within a round, so that a shared machine's drift, which moves every
+    option alike, cancels out of the prices of recomputation (a few percent of a block: a median of
+    whole times, each off by the drift, would bury them). Rounds go on until `min_seconds` have
+    passed: a CPU measured for a few milliseconds is measured in a burst (turbo, an idle neighbour)
+    that the minutes of a training run do not keep."""
+    # copies of the block, each with its own weights and gradients, as in the model (one module run
+    # `depth` times would keep its weights in the cache)
+    layers = [block] + [copy.deepcopy(block) for _ in range(depth - 1)]
+    params = params | {s for layer in layers[1:] for s in parameter_storages(layer)}
     runners = {}
     for k, option in variants.items():
-        runners[k] = PlanRunner(Plan([option]), params, cfg.parallel_residual, random=cfg.dropout > 0)
+        runners[k] = PlanRunner(Plan([option] * depth), params, cfg.parallel_residual, random=cfg.dropout > 0)
         runners[k].measure = False
     times: dict[str, list[float]] = {k: [] for k in variants}
     plain: list[tuple[float, float]] = []
@@ -327,26 +357,28 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
         _sync(device)
         t0 = time.perf_counter()
         with ac():
-            out = block(x, cos, sin)
+            out = x
+            for layer in layers:
+                out = layer(out, cos, sin)
         _sync(device)
         t1 = time.perf_counter()
         out.backward(grad)
         _sync(device)
-        return t1 - t0, time.perf_counter() - t1
+        return (t1 - t0) / depth, (time.perf_counter() - t1) / depth
 
     start, r = time.perf_counter(), 0
     while _more(r, rounds, start, min_seconds):
         for k, runner in runners.items():
-            handles = runner.install_labels([block])
+            handles = runner.install_labels(layers)
             x = x0.detach().requires_grad_(True)
             _sync(device)
             t0 = time.perf_counter()
             with ac():
-                out = runner([block], x, cos, sin)
+                out = runner(layers, x, cos, sin)
             out.backward(grad)
             _sync(device)
             if r:  # the first round warms up
-                times[k].append(time.perf_counter() - t0)
+                times[k].append((time.perf_counter() - t0) / depth)
             for hd in handles:
                 hd.remove()
         fb = run_plain()
@@ -354,6 +386,7 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
             plain.append(fb)
         r += 1
     block.zero_grad(set_to_none=False)
+    del layers[1:]
     extra = {k: statistics.median(t - base for t, base in zip(v, times["keep"])) for k, v in times.items() if k != "keep"}
     return extra, statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain)
 
@@ -409,17 +442,19 @@ def profile_model(
     repeats: int = 3,
     fp32_matmul: bool = False,
     min_seconds: float | None = None,
+    chain: int | None = None,
 ) -> ModelProfile:
     """The profile the planner needs; cached as JSON under `cache_dir` when given. `fp32_matmul`
     runs 16-bit matmuls in fp32 (`Fp32Matmul`): bytes as measured, times not those of the device.
     The block's times are measured over at least `min_seconds` (default 0.4 s per repeat), the
-    head's over a quarter of that."""
+    head's over a quarter of that, with up to `chain` blocks in a row (default the model's depth;
+    `timing_depth`); a profile whose times are not used takes 1."""
     if min_seconds is None:
         min_seconds = 0.4 * repeats
     device = torch.device(device)
     path = None
     if cache_dir is not None:
-        key = _cache_key(cfg, micro_batch, seq, precision, device, link_bytes_per_s, optimizer, fp32_matmul)
+        key = _cache_key(cfg, micro_batch, seq, precision, device, link_bytes_per_s, optimizer, fp32_matmul, chain)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.exists():
             return ModelProfile.from_dict(json.loads(path.read_text()))
@@ -429,7 +464,8 @@ def profile_model(
     # the profile seeds its own random block: the run's random stream must not notice
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             (Fp32Matmul() if fp32_matmul else contextlib.nullcontext()):
-        block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds)
+        block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds,
+                              cfg.n_layers if chain is None else chain)
         hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats, min_seconds / 4)
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
