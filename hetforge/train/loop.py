@@ -33,7 +33,6 @@ import contextlib
 import gc
 import hashlib
 import json
-import resource
 import signal
 import sys
 import threading
@@ -82,7 +81,7 @@ from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.checkpoint_io import rng_state
 from hetforge.core.console import console, make_progress, warn
 from hetforge.core.errors import HetforgeError
-from hetforge.core.hardware import detect, padded_head_dim, run_precision
+from hetforge.core.hardware import detect, padded_head_dim, process_peak_rss_bytes, run_precision
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
 from hetforge.core.sizes import format_bytes
@@ -194,7 +193,7 @@ class StopSignals:
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # process peak RSS
+    return process_peak_rss_bytes() / 2**20
 
 
 def backward_share(
