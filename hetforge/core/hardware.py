@@ -20,7 +20,6 @@ same numbers the same way and the loss scaler (fp16) means the same thing everyw
 from __future__ import annotations
 
 import re
-import resource
 from dataclasses import asdict, dataclass
 
 import torch
@@ -182,17 +181,3 @@ def lookup(name: str, memory_gb: float | None = None) -> DeviceInfo | None:
 def choose_precision(devices: list[DeviceInfo]) -> str:
     """The run's one precision on these cards (`run_precision`'s rule)."""
     return run_precision([d.caps() for d in devices])[0]
-
-
-def process_peak_rss_bytes() -> int:
-    """This process's peak resident memory. Linux's VmHWM is the process's own; ru_maxrss starts at
-    the high-water mark of whatever launched it (kept across fork and exec), so a run started from
-    a large process (a test runner, a notebook) would report that process's peak as its own."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux

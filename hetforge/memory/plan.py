@@ -149,6 +149,7 @@ class BlockProfile:
     # A branch caching units S costs sac_all + the time of the op units not in S (the units' times
     # add up to sac - sac_all). Without these figures a branch costs just its units' time.
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
+    timing_depth: int = 1  # copies of the block its times were taken over, in a row (`memory.profile`)
 
     def __post_init__(self) -> None:
         self._costs: dict[str, OptionCost] = {}
@@ -256,7 +257,7 @@ class ModelProfile:
             BlockProfile(
                 b["fwd_s"], b["bwd_s"], b["input_bytes"],
                 [Unit(**{**u, "users": tuple(u["users"])}) for u in b["units"]],
-                b["peaks"], b.get("tensors", []), b.get("recompute", {}),
+                b["peaks"], b.get("tensors", []), b.get("recompute", {}), b.get("timing_depth", 1),
             )
             for b in d["blocks"]
         ]

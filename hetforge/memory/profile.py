@@ -12,7 +12,7 @@ mode, so both are exact; peaks come from `PeakMeter` (the CUDA allocator's stati
 profiler's allocation events on the CPU). An op unit's time is the branch's measured forward time
 shared out over its ops in proportion to their clocked times; a recomputed branch's fixed costs
 (the checkpoint, selective checkpointing's per-op dispatch) are measured by running it. Profiles are cached per (model,
-micro-batch, seq, precision, device, link).
+micro-batch, seq, precision, machine, link, optimizer, and the timing chain where it is set).
 """
 
 from __future__ import annotations
@@ -296,8 +296,10 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
-    weights = sum(tensor_bytes(p) for p in block.parameters())
-    depth = timing_depth(chain, sum(t["bytes"] for t in tensors) + 2 * weights, device)  # + weights and gradients
+    # per copy in the timing chain: its weights and gradients, and what its forward saves
+    saved = sum(u.bytes for u in units if u.kind in ("saved", "input"))
+    copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved
+    depth = timing_depth(chain, copy_bytes, free_memory_bytes(device))
     extra, fwd_s, bwd_s = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device,
                                       max(2 * repeats, 7), min_seconds, depth)
     recompute = {}
@@ -311,24 +313,43 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for n in names:
             units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=(sac - sac_all) * weights[n] / total))
 
-    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute)
+    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth)
 
 
-def timing_depth(n_layers: int, block_bytes: float, device: torch.device) -> int:
-    """How many blocks the profile times in a row: the model's depth, as far as a quarter of the free
-    memory holds their weights, gradients and saved activations (`block_bytes` each). A block timed
-    alone finds its weights and what its forward saved still in the cache when its backward reads
-    them; inside the model the other blocks have passed through the cache in between, so keeping
-    costs more there and recomputing (which makes its activations afresh) relatively less. Measured
-    on the CPU (small-12 of `bench/memory_plans.py`, /tmp diagnostics): a block's forward and
-    backward took 9.3 ms alone, 10.3 ms as one block run 12 times in a row and 10.6 ms as 12 blocks
-    in a row, against 11.0 ms in the 12-block model; recomputing a block cost 4.3 ms over keeping it
-    alone, against 2.9 ms in the model."""
-    if n_layers <= 1 or block_bytes <= 0:
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory the profile may still take: free on the card plus what PyTorch holds cached unused;
+    on the host what the kernel calls available, within the process's cgroup limit if it has one."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                   - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:  # cgroup v2: a container's limit, less what it already uses
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(int(free), 0)
+
+
+def timing_depth(n_layers: int, copy_bytes: float, free_bytes: float) -> int:
+    """How many copies of the block the profile times in a row: the model's depth, as far as a
+    quarter of the free memory holds their weights, gradients and saved activations (`copy_bytes`
+    each). A block timed alone finds its weights and what its forward saved still in the cache
+    when its backward reads them; inside the model the other blocks have passed through the cache
+    in between, so keeping costs more there and recomputing (which makes its activations afresh)
+    relatively less. Measured on the CPU on small-12 of `bench/memory_plans.py` (the README has
+    the figures): a block's forward and backward took 9.3 ms alone, 10.3 ms as one block run 12
+    times in a row and 10.6 ms as 12 copies in a row, against 11.0 ms in the 12-block model;
+    recomputing a block cost 4.3 ms over keeping it alone, against 2.9 ms in the model. Profiling
+    time grows with the depth (a GPU block takes milliseconds; profiles are cached)."""
+    if n_layers <= 1 or copy_bytes <= 0:
         return max(n_layers, 1)
-    free = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
-            else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    return int(max(1, min(n_layers, free // 4 // block_bytes)))
+    return int(max(1, min(n_layers, free_bytes // 4 // copy_bytes)))
 
 
 def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin, ac, device,
@@ -386,7 +407,9 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
             plain.append(fb)
         r += 1
     block.zero_grad(set_to_none=False)
-    del layers[1:]
+    del layers[1:], runners, out
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the copies' memory goes back to the card
     extra = {k: statistics.median(t - base for t, base in zip(v, times["keep"])) for k, v in times.items() if k != "keep"}
     return extra, statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain)
 
@@ -446,9 +469,9 @@ def profile_model(
 ) -> ModelProfile:
     """The profile the planner needs; cached as JSON under `cache_dir` when given. `fp32_matmul`
     runs 16-bit matmuls in fp32 (`Fp32Matmul`): bytes as measured, times not those of the device.
-    The block's times are measured over at least `min_seconds` (default 0.4 s per repeat), the
-    head's over a quarter of that, with up to `chain` blocks in a row (default the model's depth;
-    `timing_depth`); a profile whose times are not used takes 1."""
+    The block's times are measured over at least `min_seconds` (default 0.4 s per repeat) with up
+    to `chain` copies of it in a row (default the model's depth; `timing_depth`; a profile whose
+    times are not used takes 1), the head's over a quarter of that."""
     if min_seconds is None:
         min_seconds = 0.4 * repeats
     device = torch.device(device)

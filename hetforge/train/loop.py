@@ -81,9 +81,10 @@ from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.checkpoint_io import rng_state
 from hetforge.core.console import console, make_progress, warn
 from hetforge.core.errors import HetforgeError
-from hetforge.core.hardware import detect, padded_head_dim, process_peak_rss_bytes, run_precision
+from hetforge.core.hardware import detect, padded_head_dim, run_precision
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
+from hetforge.core.process import process_peak_rss_bytes
 from hetforge.core.sizes import format_bytes
 from hetforge.data.loader import Prefetcher
 from hetforge.data.prepare import PrepareResult, prepare
