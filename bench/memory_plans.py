@@ -23,10 +23,11 @@ hetforge's plan is never slower than a baseline that fits, eager against eager a
 compiled, where "slower" is a verdict over rounds: the 90% bootstrap interval of hetforge's time /
 the baseline's (paired by round for eager plans, which run in the same rounds; compiled runs are
 compared through their ratios to eager keep-all) lies wholly above 1 and above the interval of
-keep-all timed against itself in the same rounds, mirrored about 1 where it lies below (two runs
-of one plan differ by a few percent here even over rounds: the allocator's state and the order
-within a round move them, and a bootstrap over a handful of rounds does not see that); and at 50%
-its overhead is at most half of full checkpointing's. Then the MILP's solve time at 12, 24, 48 and 96 blocks.
+keep-all timed against itself in the same rounds, mirrored about 1 where it lies below (two
+orderings of the same options measured 3% apart over 6 rounds, with an interval excluding 1, and
+within 1% over 20: a bootstrap over a handful of rounds is overconfident on a shared machine); and
+at 50% its overhead is at most half of full checkpointing's. Then the MILP's solve time at 12, 24,
+48 and 96 blocks.
 
     .venv/bin/python bench/memory_plans.py            # ~12 minutes on 2 cores
     .venv/bin/python bench/memory_plans.py --quick    # smoke run (no torch.compile)
@@ -185,21 +186,23 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
             chosen[(f, strat)] = key
             solve_s[(f, strat)] = p.solve["seconds"]
 
-    def run(plan: Plan | None):  # None: the bare model
+    # what each plan wraps the model in: keep-all is the bare model
+    wrapping = {k: None if k == "keep-all" else p for k, p in plans.items()}
+
+    def run(plan: Plan | None):
         def go(k: int) -> list[float]:
             apply_plan(model, plan, measure=False)
             return eager.times(k)
         return go
 
-    # keep-all (the bare model) timed twice: the run's own noise
-    times = interleaved({**{k: run(None if k == "keep-all" else p) for k, p in plans.items()},
-                         "keep-all again": run(None)}, rounds, steps)
+    # keep-all timed twice: the run's own noise
+    times = interleaved({**{k: run(w) for k, w in wrapping.items()}, "keep-all again": run(None)}, rounds, steps)
     noise = ratio_interval(times["keep-all again"], times["keep-all"], paired=True)
     # a verdict's interval must clear the same plan's against itself, on either side of 1
     slower_above = max(1.0, noise[2], 1 / noise[1])
     peaks, measured = {}, {}
     for k, p in plans.items():
-        apply_plan(model, None if k == "keep-all" else p, measure=False)
+        apply_plan(model, wrapping[k], measure=False)
         peaks[k] = eager.peak()
         pred = simulate(prof, p)
         measured[k] = {"predicted_s": pred.time_s, "measured_s": statistics.median(times[k]),

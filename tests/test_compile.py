@@ -41,7 +41,8 @@ def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gr
     from hetforge.model.gpt_neox import GPTNeoX
 
     users = input_users(True)
-    routes = {o: [per_op_decisions(resolve_option(o, users).branch(b)) for b in ("attn", "mlp")] for o in ["keep", "recompute", "offload", "recompute-mlp"] + MIXED[:1]}
+    routes = {o: [per_op_decisions(resolve_option(o, users).branch(b)) for b in ("attn", "mlp")]
+              for o in ["keep", "recompute", "offload", "recompute-mlp"] + MIXED[:1]}
     assert routes == {"keep": [False, False], "recompute": [False, False], "offload": [True, True],
                       "recompute-mlp": [False, False], MIXED[0]: [True, True]}
 

@@ -271,7 +271,8 @@ def test_a_50_mb_single_line_document_prepares_in_bounded_memory(tmp_path):
     # the process's own peak (`process_peak_rss_bytes`: ru_maxrss would start at pytest's) and its workers'
     code = ("import resource, sys; from hetforge.cli import main; "
             "from hetforge.core.process import process_peak_rss_bytes; rc = main(['prepare', sys.argv[1]]); "
-            "print('PEAK', max(process_peak_rss_bytes() // 1024, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+            "print('PEAK', max(process_peak_rss_bytes() // 1024, "
+            "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
             "sys.exit(rc)")
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "c.yaml")], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=900)
