@@ -214,3 +214,28 @@ def test_equal_counts_takes_the_count_whose_slowest_rank_is_fastest():
     # a rank without samples still runs the same count (dummy micro-batches)
     zero = equal_counts(fixed_plan(infos, 96, [(96, 48), (0, 1)]), infos)
     assert [len(s.micro_batches) for s in zero.shares] == [2, 2] and zero.shares[1].micro_batches == [0, 0]
+
+
+def test_under_fsdp_a_slow_device_is_slow_at_the_loss_too(monkeypatch):
+    """The loss is a module (`TokenLoss`) so a slow rank sleeps after its forward and after its
+    backward, as after each unit's; its gradient is unchanged by the marks."""
+    import torch
+
+    from hetforge.cluster.spec import Slowdown
+    from hetforge.config import DeviceSpec
+    from hetforge.train.loop import TokenLoss
+
+    slept = []
+    monkeypatch.setattr("hetforge.cluster.spec.time.sleep", slept.append)
+    logits = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    targets = torch.tensor([[0, 1, 2], [3, 4, 0]])
+    TokenLoss()(logits, targets).backward()
+    expected = logits.grad.clone()
+    logits.grad = None
+    loss_fn = TokenLoss()
+    Slowdown(DeviceSpec(type="cpu", slowdown=2.0)).install_per_module([loss_fn], lambda: 0)
+    loss = loss_fn(logits, targets)
+    assert len(slept) == 1  # after the loss's forward
+    loss.backward()
+    assert len(slept) == 2  # after its backward, once the logits' gradient is made
+    assert torch.equal(logits.grad, expected)

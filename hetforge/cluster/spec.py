@@ -144,13 +144,13 @@ class Slowdown:
     """Makes this rank behave like a device `factor` times slower (simulation only).
 
     Under DDP (collectives only after the backward) the sleep comes right after each forward pass
-    and lasts (factor - 1) x (the forward's time + the backward's), the backward's taken as the
+    (the loss included) and lasts (factor - 1) x (the forward's time + the backward's), the backward's taken as the
     last one measured relative to its forward (2x until one is): it lands before the gradients are synchronised, where a slower device's extra
     time would be, and the probe and the loop apply the same rule. The whole compute is slowed,
     not a multiple of the forward: under FSDP the backward (reduce-scatters, hooks) costs far more
     than twice the forward on a small model, and a device k times slower is slower at all of it.
-    Under FSDP, where the ranks meet at every unit, each unit is slowed where it runs
-    (`install_per_module`)."""
+    Under FSDP, where the ranks meet at every unit, each unit, and the loss, is slowed where it
+    runs (`install_per_module`)."""
 
     def __init__(self, spec: DeviceSpec | None):
         self.factor = spec.slowdown if spec else 1.0

@@ -197,6 +197,21 @@ def peak_memory_mb(device: torch.device) -> float:
     return process_peak_rss_bytes() / 2**20
 
 
+class TokenLoss(torch.nn.Module):
+    """Summed next-token cross-entropy, in fp32. A module so that hooks run around it as around the
+    model's units: a simulated slow device (`Slowdown.install_per_module`, under FSDP) is slow at
+    the loss as a real one is, and as the probe's rule (one sleep after forward and loss) already
+    slowed it. Before, the hooks went on the model's modules only, and a simulated slow rank ran
+    the loss and its gradient at full speed: at a 4096 vocabulary, a large part of the tiny
+    model's compute."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+_TOKEN_LOSS = TokenLoss()
+
+
 def backward_share(
     par: Parallel,
     samples: PackedSamples,
@@ -211,6 +226,7 @@ def backward_share(
     after_backward=None,
     loader: Prefetcher | None = None,
     timer: ComputeTimer | None = None,
+    loss_fn: torch.nn.Module = _TOKEN_LOSS,
 ) -> tuple[torch.Tensor, ComputeTimer]:
     """Forward/backward of this rank's micro-batches (given as (global position, count)), with
     DDP's gradient sync only on the last one. Returns this rank's part of the step loss (float64,
@@ -235,14 +251,14 @@ def backward_share(
                     else batch_from_numpy(samples.batch(order.indices(start, n)), device))
             with precision.autocast():
                 logits = net(x)
-            if after_forward is not None:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                after_forward(Slowdown.clock() - t0)
-            token_loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
+            token_loss = loss_fn(logits, y)
             # Nothing saved for the backward refers to the logits: let them go now, not after the
             # backward (or the next micro-batch's forward). At a 50k vocabulary that is GBs.
             del logits
+            if after_forward is not None:  # the forward's time includes the loss's
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                after_forward(Slowdown.clock() - t0)
             c1 = Slowdown.clock() if after_backward is not None else 0.0
             scaler.scale(token_loss * weight / tokens_per_step).backward()
             if after_backward is not None:
@@ -559,6 +575,7 @@ class Trainer:
         self.monitor = DriftMonitor(self.balance_plan, cfg.cluster.rebalance_threshold,
                                     cfg.cluster.rebalance_window) if watch else None
         self.slowdown = Slowdown(rank_device(cfg.cluster, ctx))  # no slowdown when the cluster is not described
+        self.loss_fn = TokenLoss()  # its own instance: a slow rank's hooks go on it (below)
         self.check = self._memory_plan()
         offload = (self.check is not None and self.check.dp.optimizer_offload) or cfg.parallel.offload == "optimizer"
         self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload, zero1=self.strategy == "zero1",
@@ -580,7 +597,7 @@ class Trainer:
         self.par: Parallel = parallelize(self.model, ctx, self.device, self.strategy)
         if self.sharded:  # the ranks meet at every unit: a slow device is slowed where each module runs
             m = self.model
-            self.slowdown.install_per_module([m.embed_in, *m.layers, m.final_layer_norm, m.embed_out],
+            self.slowdown.install_per_module([m.embed_in, *m.layers, m.final_layer_norm, m.embed_out, self.loss_fn],
                                              lambda: self.state.step)
         self.timer = ComputeTimer(self.device, self.par.clock)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -692,7 +709,7 @@ class Trainer:
             self.precision, self.scaler, self.device,
             after_forward=(lambda seconds: self.slowdown.after_forward(seconds, st.step)) if slow else None,
             after_backward=self.slowdown.after_backward if slow else None,
-            loader=self.loader, timer=self.timer,
+            loader=self.loader, timer=self.timer, loss_fn=self.loss_fn,
         )
         # on a GPU the previous step's time (read without a sync), unless the plan's check needs this one
         compute_s = self.timer.step_seconds(wait=checking)
