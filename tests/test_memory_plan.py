@@ -40,6 +40,8 @@ def synthetic_block(rng: random.Random, units_per_branch: int = 2) -> BlockProfi
         for mm in ("keep", "recompute"):
             cut = (0.3 if am == "recompute" else 0.0) + (0.4 if mm == "recompute" else 0.0)
             peaks[f"{am}/{mm}"] = [full * (1 - cut) + a, full * (1 - cut) + 2 * a]
+    # both branches recomputed, measured as a whole: below the sum of the two, or above it
+    recompute["both"] = {"plain": (recompute["attn"]["plain"] + recompute["mlp"]["plain"]) * rng.uniform(0.7, 1.1)}
     return BlockProfile(fwd, 2 * fwd, a, units, peaks, recompute=recompute)
 
 
@@ -88,6 +90,24 @@ def test_tensor_milp_equals_brute_force(seed, frac, overlap):
     pred = simulate(prof, plan)
     assert best is not None and pred.peak_bytes <= budget * (1 + 1e-9)
     assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+
+
+def test_a_block_recomputing_both_branches_costs_what_the_pair_measured():
+    """The pair's measured price replaces the sum of the branches' where both are recomputed by
+    plain checkpoints; one branch alone, or a selective one beside, keeps the branches' own."""
+    blk = synthetic_block(random.Random(7))
+    plain = {br: blk.recompute[br]["plain"] for br in ("attn", "mlp")}
+    blk.recompute["both"] = {"plain": 0.8 * (plain["attn"] + plain["mlp"])}
+    assert blk.cost("recompute").recompute_s == pytest.approx(blk.recompute["both"]["plain"])
+    assert blk.cost("recompute-mlp").recompute_s == pytest.approx(plain["mlp"])
+    assert blk.cost("recompute-attn").recompute_s == pytest.approx(plain["attn"])
+    one_cached = Decision(BranchPlan("recompute", frozenset({"attn.o0"})), BranchPlan("recompute")).encode()
+    sac_attn = blk.recompute["attn"]["sac_all"] + sum(u.time_s for u in blk.of("op", "attn") if u.name != "attn.o0")
+    assert blk.cost(one_cached).recompute_s == pytest.approx(sac_attn + plain["mlp"])  # measured plain only
+    assert blk.both_extra_s == pytest.approx(-0.2 * (plain["attn"] + plain["mlp"]))
+    del blk.recompute["both"]
+    blk._costs.clear()
+    assert blk.both_extra_s == 0.0 and blk.cost("recompute").recompute_s == pytest.approx(sum(plain.values()))
 
 
 @pytest.mark.parametrize("overlap", [True, False])

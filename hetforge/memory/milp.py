@@ -105,7 +105,7 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
     (offload), and a continuous "input on the device" bounded below by every branch that needs it.
     The own peaks depend on both branch modes: `both` is their product, made exact by three rows."""
     r = {br: h.addBinary() for br in BRANCHES}
-    off, cache, ins = {}, {}, {}
+    off, cache, ins, sels = {}, {}, {}, {}
     held, host, rec, cached = 0.0, 0.0, 0.0, 0.0
     for u in blk.of("saved"):
         if menu.offload:
@@ -125,7 +125,7 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
         rec = rec + _c(plain * MS, r[br])
         if not ops:
             continue
-        sel = h.addBinary()  # selective checkpointing in use
+        sel = sels[br] = h.addBinary()  # selective checkpointing in use
         h.addConstr(sel - r[br] <= 0)
         for v in ops:
             c = cache[v.name] = h.addBinary()
@@ -150,6 +150,17 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
     h.addConstr(both - r["attn"] - r["mlp"] >= -1)
     h.addConstr(both - r["attn"] <= 0)
     h.addConstr(both - r["mlp"] <= 0)
+    extra = blk.both_extra_s
+    if abs(extra) > 1e-12:
+        # both branches recomputed by plain checkpoints (no selective one): 1 exactly then, for
+        # either sign of the correction (the rows bound it from above and from below)
+        plain_both = h.addVariable(lb=0, ub=1)
+        for br in BRANCHES:
+            h.addConstr(plain_both - r[br] <= 0)
+        for sel in sels.values():
+            h.addConstr(plain_both + sel <= 1)
+        h.addConstr(plain_both - r["attn"] - r["mlp"] + sum(sels.values()) >= -1)
+        rec = rec + _c(extra * MS, plain_both)
 
     def peak(i: int):
         p = {k: v[i] / MIB for k, v in blk.peaks.items()}

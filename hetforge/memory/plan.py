@@ -148,6 +148,9 @@ class BlockProfile:
     # ("plain"), by selective checkpointing caching nothing ("sac") or every op unit ("sac_all").
     # A branch caching units S costs sac_all + the time of the op units not in S (the units' times
     # add up to sac - sac_all). Without these figures a branch costs just its units' time.
+    # "both": {"plain": seconds} with both branches recomputed by plain checkpoints, measured as a
+    # whole: the two do not add up (on small blocks on the CPU the pair cost 0.75-0.9x the sum).
+    # `both_extra_s` is the difference.
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
     timing_depth: int = 1  # copies of the block its times were taken over, in a row (`memory.profile`)
 
@@ -185,6 +188,18 @@ class BlockProfile:
         out.append(frozenset(u.name for u in self.of("input") if u.name in d.offload_inputs and keepers & set(u.users)))
         return tuple(out)
 
+    @property
+    def both_extra_s(self) -> float:
+        """What recomputing both branches by plain checkpoints adds beyond the two branches' own
+        prices (negative where the pair costs less than the sum). Only that case was measured: with
+        selective checkpointing in either branch the two branches' prices stand (a negative
+        correction added to a branch whose caching leaves little to recompute would price a step
+        under keep-all's)."""
+        both = self.recompute.get("both")
+        if not both or any(br not in self.recompute for br in BRANCHES):
+            return 0.0
+        return both["plain"] - sum(self.recompute[br]["plain"] for br in BRANCHES)
+
     def cost(self, option: str) -> OptionCost:
         c = self._costs.get(option)
         if c is None:
@@ -193,6 +208,7 @@ class BlockProfile:
 
     def _cost(self, d: Decision) -> OptionCost:
         held = host = rec = cached = 0.0
+        plain = 0  # branches recomputed by a plain checkpoint
         for br in BRANCHES:
             bp = d.branch(br)
             if bp.mode == "keep":
@@ -208,8 +224,11 @@ class BlockProfile:
                 fixed = self.recompute.get(br)
                 if fixed is not None and not hit:
                     rec += fixed["plain"]
+                    plain += 1
                 else:
                     rec += (fixed["sac_all"] if fixed else 0.0) + sum(u.time_s for u in ops if u not in hit)
+        if plain == len(BRANCHES):
+            rec += self.both_extra_s
         for u in self.of("input"):
             keepers = [b for b in u.users if d.branch(b).mode == "keep"]
             holders = [b for b in u.users if d.branch(b).mode == "recompute"]

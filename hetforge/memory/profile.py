@@ -11,7 +11,8 @@ come from the executor's ledger (saved-tensor hooks, per storage) and op outputs
 mode, so both are exact; peaks come from `PeakMeter` (the CUDA allocator's statistics, or the
 profiler's allocation events on the CPU). An op unit's time is the branch's measured forward time
 shared out over its ops in proportion to their clocked times; a recomputed branch's fixed costs
-(the checkpoint, selective checkpointing's per-op dispatch) are measured by running it. Profiles are cached per (model,
+(the checkpoint, selective checkpointing's per-op dispatch) are measured by running it, and so is
+a block recomputing both branches (not the sum of the two). Profiles are cached per (model,
 micro-batch, seq, precision, machine, link, optimizer, and the timing chain where it is set).
 """
 
@@ -41,7 +42,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 11
+PROFILE_VERSION = 12
 
 
 def _sync(device: torch.device) -> None:
@@ -288,7 +289,8 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
 
     # Recomputation as it runs, overheads included: per branch the step's extra time over keep-all
     # when a plain checkpoint recomputes it, when selective checkpointing caches nothing, and when it
-    # caches every op unit (its dispatch overhead alone). The unit shares split the difference.
+    # caches every op unit (its dispatch overhead alone). The unit shares split the difference. And
+    # both branches recomputed at once, which is not the sum of the two.
     variants = {"keep": "keep"}
     for br in BRANCHES:
         names = frozenset(n for n in clocks[0].bytes if n.startswith(br + "."))
@@ -296,6 +298,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
+    variants["both/plain"] = Decision(BranchPlan("recompute"), BranchPlan("recompute")).encode()
     # per copy in the timing chain: its weights and gradients, and what its forward saves
     saved = sum(u.bytes for u in units if u.kind in ("saved", "input"))
     copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved
@@ -312,6 +315,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         total = sum(weights.values()) or 1.0
         for n in names:
             units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=(sac - sac_all) * weights[n] / total))
+    recompute["both"] = {"plain": max(0.0, extra["both/plain"])}
 
     return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth)
 
