@@ -149,7 +149,7 @@ class BlockProfile:
     # A branch caching units S costs sac_all + the time of the op units not in S (the units' times
     # add up to sac - sac_all). Without these figures a branch costs just its units' time.
     # "both": {"plain": seconds} with both branches recomputed by plain checkpoints, measured as a
-    # whole: the two do not add up (on small blocks on the CPU the pair cost 0.75-0.9x the sum).
+    # whole: the two do not add up (on small blocks on the CPU the pair cost 0.7-0.94x the sum).
     # `both_extra_s` is the difference.
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
     timing_depth: int = 1  # copies of the block its times were taken over, in a row (`memory.profile`)
