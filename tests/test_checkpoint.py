@@ -124,3 +124,31 @@ def test_components_round_trip_and_a_missing_one_is_an_error(tmp_path):
         assert "no scaler state" in str(err)
     else:
         raise AssertionError("a missing component must not pass silently")
+
+
+def test_writers_of_one_file_at_once_each_publish_a_whole_copy(tmp_path):
+    """Ranks on one host write the same cache file (a profile keyed by what was measured): every
+    write succeeds, the file is always one writer's whole text, and no temporary file is left."""
+    import json
+    import threading
+
+    from hetforge.core.checkpoint_io import write_text_atomic
+
+    path = tmp_path / "cache" / "profile.json"
+    errors, seen = [], []
+
+    def writer(k: int) -> None:
+        try:
+            for i in range(40):
+                write_text_atomic(path, json.dumps({"writer": k, "i": i, "pad": "x" * 4096}))
+                seen.append(json.loads(path.read_text())["writer"])
+        except Exception as err:  # noqa: BLE001 - any failure is the test's finding
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(seen) == 160
+    assert [p.name for p in path.parent.iterdir()] == ["profile.json"]

@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.core.errors import HetforgeError
 from hetforge.core.sizes import format_bytes
 
@@ -174,10 +175,7 @@ class BalancePlan:
                    d.get("models", []))
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "BalancePlan | None":

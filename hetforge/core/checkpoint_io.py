@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +51,21 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """Write `path` whole or not at all: into a temporary file of this process and thread next to
+    it, then renamed over it. Ranks on one host may write the same file at once (a profile cache
+    keyed by what was measured): each renames its own whole copy, the last one stays."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def step_dir(root: Path, step: int) -> Path:

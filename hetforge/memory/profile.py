@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.memory.executor import ActivationLedger, PlanRunner, input_users, parameter_storages
 from hetforge.memory.measure import PeakMeter
 from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
@@ -507,8 +508,5 @@ def profile_model(
               "host_step_s_per_param": host_optimizer_seconds_per_param()},  # the price of optimizer offload
     )
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(prof.to_dict()))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps(prof.to_dict()))  # every rank on a host may write it
     return prof

@@ -9,6 +9,7 @@ from pathlib import Path
 from rich.markup import escape
 from rich.table import Table
 
+from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.core.sizes import format_bytes
 from hetforge.memory.plan import ModelProfile, Plan, Prediction, simulate
 from hetforge.memory.units import DESCRIPTIONS
@@ -118,9 +119,5 @@ def plot_timeline(pred: Prediction, keep: Prediction, budget: float | None, path
 
 
 def save_plan(path: Path, plan: Plan, pred: Prediction, budget: float | None, extra: dict | None = None) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
     d = {"plan": plan.to_dict(), "prediction": pred.to_dict(), "budget": budget, **(extra or {})}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(d, indent=1))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps(d, indent=1))

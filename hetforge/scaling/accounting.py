@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.core.metrics import read_metrics
 
 
@@ -114,11 +115,7 @@ def run_report(run_dir: str | Path) -> dict:
 
 def write_report(run_dir: str | Path) -> Path:
     rep = run_report(run_dir)
-    path = Path(run_dir) / "report.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(rep, indent=1))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(Path(run_dir) / "report.json", json.dumps(rep, indent=1))
 
 
 def report_table(rep: dict):

@@ -20,6 +20,7 @@ import numpy as np
 from scipy.optimize import minimize, nnls
 from scipy.special import logsumexp
 
+from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.scaling.laws import LossLaw, ScalingError
 
 HUBER_DELTA = 1e-3
@@ -189,7 +190,4 @@ def plot_fit(fit: Fit, runs: list[dict], path: Path, holdout: list[dict] = ()) -
 
 def save_fit(fit: Fit, path: Path, runs: list[dict], holdout: list[dict]) -> Path:
     out = {**fit.to_dict(), "data": runs, "holdout": holdout}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, json.dumps(out, indent=1))
