@@ -17,6 +17,7 @@ others can say what it was.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import threading
@@ -258,10 +259,17 @@ def post(ctx: DistContext, key: str, value: str) -> None:
 
 
 def shutdown(ctx: DistContext | None = None) -> None:
+    """Stop the heartbeat, destroy every group, and free the host group's object now: left to the
+    interpreter's finalization, a gloo group's destructor can meet its worker threads' tensors
+    there and abort the process ("terminate called without an active exception", seen once in a
+    killed-rank restart test under load), after a run that had finished."""
     if ctx is not None and ctx.heartbeat is not None:
         ctx.heartbeat.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if ctx is not None and ctx.host_group is not None:
+        ctx.host_group = None
+        gc.collect()
 
 
 def barrier(ctx: DistContext) -> None:

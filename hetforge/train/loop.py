@@ -200,10 +200,9 @@ def peak_memory_mb(device: torch.device) -> float:
 class TokenLoss(torch.nn.Module):
     """Summed next-token cross-entropy, in fp32. A module so that hooks run around it as around the
     model's units: a simulated slow device (`Slowdown.install_per_module`, under FSDP) is slow at
-    the loss as a real one is, and as the probe's rule (one sleep after forward and loss) already
-    slowed it. Before, the hooks went on the model's modules only, and a simulated slow rank ran
-    the loss and its gradient at full speed: at a 4096 vocabulary, a large part of the tiny
-    model's compute."""
+    the loss as a real one is, and as the probe's rule (one sleep after forward and loss) has it.
+    At a vocabulary of thousands the loss and its gradient are a large part of a small model's
+    compute."""
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
