@@ -372,6 +372,12 @@ class ParallelConfig(_Strict):
     # rank: declared memory_gb or the device's own), or equal parts. FSDP2 (zero2, fsdp) shards every
     # tensor evenly: DTensor has no uneven placements, so there it is always equal.
     state_shares: Literal["memory", "equal"] = "memory"
+    # zero2 / fsdp: how gradients accumulate over a step's micro-batches (`model.accounting.
+    # ACCUMULATIONS`): sharded = collectives every micro-batch, equal micro-batch counts; unsharded =
+    # full weights and gradients held for the step, collectives once, any counts; auto = unsharded
+    # where every rank's memory holds them and the balance prices the step faster (not under an
+    # activation plan, which is solved for the sharded bytes), else sharded.
+    accumulation: Literal["auto", "sharded", "unsharded"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
@@ -383,7 +389,19 @@ class ParallelConfig(_Strict):
                              f"(FSDP2 keeps weight, gradient and optimizer shards on the host and steps there)")
         if self.reshard_after_forward is not None and self.strategy in ("ddp", "zero1"):
             raise ValueError(f"parallel.reshard_after_forward applies to zero2 and fsdp, not {self.strategy}")
+        if self.accumulation != "auto" and self.strategy in ("ddp", "zero1"):
+            raise ValueError(f"parallel.accumulation applies to zero2 and fsdp, not {self.strategy} (whose "
+                             f"gradients are whole on every rank)")
+        if self.accumulation == "unsharded" and self.offload == "params":
+            raise ValueError("parallel.accumulation=unsharded holds full weights and gradients on the device for "
+                             "the step, which parallel.offload=params exists to avoid: use one or the other")
+        if self.accumulation == "unsharded" and self.reshard_after_forward:
+            raise ValueError("parallel.accumulation=unsharded keeps the gathered weights for the whole step; "
+                             "reshard_after_forward=true would gather them again in every backward")
         return self
+
+    def may_accumulate_unsharded(self) -> bool:
+        return self.accumulation != "sharded" and self.offload != "params" and not self.reshard_after_forward
 
 
 class RunConfig(_Strict):

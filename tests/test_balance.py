@@ -239,3 +239,52 @@ def test_under_fsdp_a_slow_device_is_slow_at_the_loss_too(monkeypatch):
     loss.backward()
     assert len(slept) == 2  # after its backward, once the logits' gradient is made
     assert torch.equal(logits.grad, expected)
+
+
+# Two CPU ranks' probes as recorded in a 2-rank FSDP run of the tiny preset at seq 256, the second
+# simulated 2x slower (`bench/sharded_scale.py`, hetero part): seconds per micro-step. Per sample,
+# both are fastest at a micro-batch of 8 or less and slower from 32 up (cache).
+FAST = [(1, 0.0280), (2, 0.0551), (4, 0.1240), (8, 0.2531), (16, 0.5161), (32, 1.1948), (64, 4.0807), (96, 5.3584)]
+SLOW = [(1, 0.0518), (2, 0.1233), (4, 0.2283), (8, 0.5015), (16, 1.2518), (32, 2.8121), (64, 5.4099), (96, 11.3794)]
+
+
+def test_accumulating_unsharded_frees_the_counts_and_wins_only_when_priced_faster():
+    from hetforge.cluster.balance import choose_accumulation
+
+    def plans(per_micro_s, per_step_s):
+        infos = _infos(TimeModel(FAST, 96, per_micro_s=per_micro_s), TimeModel(SLOW, 96, per_micro_s=per_micro_s))
+        sharded = equal_counts(balanced_plan(infos, 96, equal_counts=True), infos)
+        whole = _infos(TimeModel(FAST, 96, per_step_s=per_step_s), TimeModel(SLOW, 96, per_step_s=per_step_s))
+        return sharded, balanced_plan(whole, 96)
+
+    # the run's own link: 12 ms of collectives a micro-batch sharded, 20 ms once a step unsharded
+    sharded, unsharded = plans(0.012, 0.020)
+    assert len({s.grad_accum for s in sharded.shares}) == 1  # sharded: one count for both ranks
+    assert unsharded.shares[0].grad_accum != unsharded.shares[1].grad_accum
+    # each rank at the sizes it computes fastest, the collectives paid once
+    assert unsharded.predicted_step_s < sharded.predicted_step_s
+    assert all(s.predicted_s == pytest.approx(TimeModel(p, 96).cost(s.samples) + 0.020)
+               for s, p in zip(unsharded.shares, (FAST, SLOW)))
+    plan, why = choose_accumulation(sharded, unsharded, "auto")
+    assert plan is unsharded and plan.accumulation == "unsharded" and "unsharded" in why
+    assert plan.to_dict()["accumulation"] == "unsharded"
+    # a step's collectives so dear that paying them once costs more than the counts save: sharded
+    sharded, unsharded = plans(0.012, 1.0)
+    plan, why = choose_accumulation(sharded, unsharded, "auto")
+    assert plan is sharded and plan.accumulation == "sharded" and "every micro-batch" in why
+    # what is configured is taken; where full weights and gradients do not fit, only sharded
+    assert choose_accumulation(sharded, unsharded, "unsharded")[0] is unsharded
+    assert choose_accumulation(*plans(0.012, 0.02)[:1], None, "auto")[0].accumulation == "sharded"
+    with pytest.raises(BalanceError, match="cannot hold the full weights"):
+        choose_accumulation(sharded, None, "unsharded")
+
+
+def test_the_micro_batch_that_fits_beside_full_weights_and_gradients():
+    from hetforge.cluster.probe import WORKSPACE_MARGIN, micro_batches_within
+
+    act = 10 << 20
+    # 1 GiB, 600 MiB held: (1024 - 600) MiB / (1.2 x 10 MiB) = 35 samples
+    assert micro_batches_within(1 << 30, 600 << 20, act, 96) == int((424 << 20) // (WORKSPACE_MARGIN * act)) == 35
+    assert micro_batches_within(1 << 30, 600 << 20, act, 16) == 16  # the probe's own limit stands
+    assert micro_batches_within(1 << 30, 1020 << 20, act, 96) == 0  # not one sample: sharded only
+    assert micro_batches_within(None, 1e15, act, 96) == 96  # unknown memory bounds nothing

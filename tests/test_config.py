@@ -67,3 +67,15 @@ def test_override_list_item_and_bad_paths():
         apply_overrides(raw, ["data.sources.3.path=b"])
     with pytest.raises(ConfigError, match="'steps' is not a section"):
         apply_overrides({"train": {"steps": 1}}, ["train.steps.x=1"])
+
+
+@pytest.mark.parametrize("parallel,message", [
+    ({"strategy": "zero1", "accumulation": "unsharded"}, "applies to zero2 and fsdp, not zero1"),
+    ({"strategy": "fsdp", "accumulation": "unsharded", "offload": "params"}, "one or the other"),
+    ({"strategy": "fsdp", "accumulation": "unsharded", "reshard_after_forward": True}, "gather them again"),
+])
+def test_accumulation_unsharded_is_refused_where_it_cannot_hold(parallel, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({"parallel": parallel})
+    assert build_config({"parallel": {"strategy": "fsdp", "accumulation": "unsharded"}}).parallel.may_accumulate_unsharded()
+    assert not build_config({"parallel": {"strategy": "fsdp", "offload": "params"}}).parallel.may_accumulate_unsharded()

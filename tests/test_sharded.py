@@ -19,7 +19,7 @@ def three_cpus() -> dict:
     return {"nodes": [{"host": "localhost", "devices": [{"type": "cpu"} for _ in range(3)]}]}
 
 
-def sharded(make_cfg, name, strategy, shares, unit_params=None, slowdown=1.0, **train_kw):
+def sharded(make_cfg, name, strategy, shares, unit_params=None, slowdown=1.0, accumulation=None, **train_kw):
     nodes = three_cpus() if len(shares) == 3 else {"nodes": two_cpus()["nodes"]}
     for d in nodes["nodes"][0]["devices"]:
         d.pop("memory_gb", None)
@@ -27,7 +27,8 @@ def sharded(make_cfg, name, strategy, shares, unit_params=None, slowdown=1.0, **
         nodes["nodes"][0]["devices"][-1].update(slowdown=slowdown, slowdown_from_step=0)
     cluster = {**nodes, "balance": "fixed", "assignments": [{"samples": n, "micro_batch_size": b} for n, b in shares]}
     cfg = with_cluster(make_cfg, name, cluster, **train_kw)
-    parallel = {"strategy": strategy, **({"unit_params": unit_params} if unit_params else {})}
+    parallel = {"strategy": strategy, **({"unit_params": unit_params} if unit_params else {}),
+                **({"accumulation": accumulation} if accumulation else {})}
     return cfg.model_copy(update={"parallel": type(cfg.parallel).model_validate(parallel)})
 
 
@@ -49,18 +50,24 @@ def reference(tmp_path_factory, data_dir):
 
 
 # unit_params=1: every block its own FSDP unit (the tiny model's blocks are otherwise one unit);
-# "slow": the last rank simulated slower
+# "slow": the last rank simulated slower; "unsharded": gradients accumulated unsharded, so the ranks
+# run their own numbers of micro-batches (1, 2 and 3; 4 beside a rank with none)
 CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)], None), ("fsdp", [(8, 4), (0, 1)], None), ("fsdp", [(5, 3), (3, 3)], "slow"),
-         ("fsdp", [(1, 1), (2, 1), (5, 2)], 1), ("zero2", [(1, 1), (2, 2), (5, 3)], None), ("zero1", [(3, 3), (5, 2)], None)]
+         ("fsdp", [(1, 1), (2, 1), (5, 2)], 1), ("zero2", [(1, 1), (2, 2), (5, 3)], None), ("zero1", [(3, 3), (5, 2)], None),
+         ("fsdp", [(1, 1), (2, 1), (5, 2)], "unsharded"), ("zero2", [(8, 2), (0, 1)], "unsharded")]
 
 
 @pytest.mark.parametrize("strategy,shares,unit_params", CASES,
-                         ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}{ {None: '', 1: '-per-block', 'slow': '-slow'}[u]}"
+                         ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}"
+                              f"{ {None: '', 1: '-per-block', 'slow': '-slow', 'unsharded': '-unsharded'}[u]}"
                               for s, sh, u in CASES])
 def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strategy, shares, unit_params):
     slow = unit_params == "slow"  # a rank simulated 1.5x slower: its per-module marks leave the update alone
-    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, None if slow else unit_params,
-                  1.5 if slow else 1.0, steps=5, micro_batch_size=8, checkpoint_interval=5, eval_interval=1000)
+    unsharded = unit_params == "unsharded"
+    accumulation = None if strategy == "zero1" else "unsharded" if unsharded else "sharded"
+    cfg = sharded(make_cfg, f"{strategy}{len(shares)}", strategy, shares, unit_params if unit_params == 1 else None,
+                  1.5 if slow else 1.0, accumulation, steps=5, micro_batch_size=8, checkpoint_interval=5,
+                  eval_interval=1000)
     res = run_train(cfg, len(shares), tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"data parallelism: {strategy}" in res.stdout
@@ -72,7 +79,12 @@ def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strate
     assert max_diff(weights(cfg), weights(reference)) <= 2e-4
     plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
     assert [s["samples"] for s in plan["shares"]] == [n for n, _ in shares]
-    if strategy in ("zero2", "fsdp"):  # every micro-batch is a collective: the same count on every rank
+    if unsharded:  # collectives once a step: each rank its own count of micro-batches, as assigned
+        assert plan["accumulation"] == "unsharded"
+        assert [len(s["micro_batches"]) for s in plan["shares"]] == [-(-n // b) for n, b in shares]
+        assert (ckpt.resolve(cfg.run_dir) / "dcp").is_dir()
+    elif strategy in ("zero2", "fsdp"):  # every micro-batch is a collective: the same count on every rank
+        assert plan["accumulation"] == "sharded"
         assert len({len(s["micro_batches"]) for s in plan["shares"]}) == 1
         # and each micro-batch's collectives, timed on the run's group, priced the same for every rank
         assert len({m["per_micro_s"] for m in plan["models"]}) == 1 and plan["models"][0]["per_micro_s"] > 0
@@ -194,6 +206,10 @@ def test_sharded_bytes_follow_the_zero_paper():
     assert fsdp["gathered weights"] == 2 * (52000 * 2064 + 52000 * 2064 + 2 * 2064)
     off = sharded_static_bytes(shape, "adamw", "fsdp", 8, offload="params", gather_bytes=2)
     assert off["weights"] == off["gradients"] == 0 and "optimizer state" not in off
+    # accumulating unsharded: for the step, every unit's weights gathered and the full gradients
+    whole = sharded_static_bytes(shape, "adamw", "fsdp", 8, gather_bytes=2, accumulation="unsharded")
+    assert whole["gathered weights"] == 2 * n and whole["gathered gradients"] == 4 * n
+    assert whole["optimizer state"] == fsdp["optimizer state"] and whole["weights"] == fsdp["weights"]
 
 
 @pytest.mark.parametrize("preset,cards,expected", [

@@ -12,18 +12,20 @@ from __future__ import annotations
 import hashlib
 import json
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from hetforge.cluster.balance import (
+    BalanceError,
     BalancePlan,
     RankInfo,
     RankShare,
     TimeModel,
     balanced_plan,
+    choose_accumulation,
     collective_seconds,
     equal_counts,
     equal_plan,
@@ -31,7 +33,7 @@ from hetforge.cluster.balance import (
     fixed_plan,
 )
 from hetforge.cluster.dist import DistContext, all_gather_object, broadcast_object
-from hetforge.cluster.probe import probe, proxy_model, time_all_gathers
+from hetforge.cluster.probe import micro_batches_within, probe, proxy_model, time_all_gathers
 from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
 from hetforge.config import RunConfig
 from hetforge.memory.device_plan import plan_for_config
@@ -41,11 +43,12 @@ from hetforge.model.accounting import (
     collective_bytes_per_step,
     collectives_per_micro_batch,
     shard_units,
+    unsharded_accumulation_collectives,
 )
 
 PLAN_FILE = "balance.json"
 # what a saved plan was solved with: plans of an older pricing are solved again, not reused
-BALANCE_VERSION = 2
+BALANCE_VERSION = 3
 LINK_PROBE_BYTES = (4096, 16 << 20)  # the all-gathers that time the link: latency, and bandwidth
 
 
@@ -62,6 +65,7 @@ def _fingerprint(cfg: RunConfig, reports: list[dict], layout: ShardLayout | None
         "balance": cfg.cluster.balance,
         "assignments": [a.model_dump() for a in cfg.cluster.assignments],
         "memory": cfg.memory.model_dump(mode="json"),
+        "accumulation": cfg.parallel.accumulation,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -75,9 +79,11 @@ def single_process_plan(cfg: RunConfig) -> BalancePlan:
 
 def micro_batch_collectives_s(cfg: RunConfig, ctx: DistContext, shape, layout: ShardLayout,
                               device: torch.device) -> tuple[float, dict]:
-    """Seconds of the collectives each micro-batch runs under a sharded layout, the same for every
-    rank, and how they were priced: the link's latency and bandwidth from all-gathers timed on the
-    run's group (the slowest rank's figures), or `parallel.link_gbps` where declared."""
+    """Seconds of the collectives each micro-batch runs under a sharded layout accumulating sharded,
+    the same for every rank, and how they were priced: the link's latency and bandwidth from
+    all-gathers timed on the run's group (the slowest rank's figures), or `parallel.link_gbps` where
+    declared. The figures also hold `unsharded_step_s`, the same link's price of accumulating
+    unsharded (one gather and one reduce-scatter a unit, once a step)."""
     count = collectives_per_micro_batch(shape, layout.strategy, layout.unit_params)
     if count == 0 or not ctx.distributed:
         return 0.0, {}
@@ -91,8 +97,10 @@ def micro_batch_collectives_s(cfg: RunConfig, ctx: DistContext, shape, layout: S
         bandwidth = cfg.parallel.link_gbps * 1e9
     sent = collective_bytes_per_step(shape, layout.strategy, layout.shard_size, 1, layout.gather_bytes)
     seconds = collective_seconds(count, sent, latency, bandwidth)
+    once = collective_seconds(*unsharded_accumulation_collectives(shape, layout.shard_size, layout.gather_bytes,
+                                                                  layout.unit_params), latency, bandwidth)
     return seconds, {"collectives": count, "bytes_sent": sent, "latency_s": latency, "bytes_per_s": bandwidth,
-                     "all_gather_s": {str(n): t for n, t in slowest.items()}}
+                     "all_gather_s": {str(n): t for n, t in slowest.items()}, "unsharded_step_s": once}
 
 
 def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memory: float | None, run_dir: Path,
@@ -113,8 +121,9 @@ def plan_for_run(
     run_dir: Path, console=None, layout: ShardLayout | None = None,
 ) -> BalancePlan:
     """The batch balance of a distributed run. Under a sharded `layout` each rank is probed on a
-    local proxy of the model (it is never whole on one rank) and every rank runs the same number
-    of micro-batches (each one is a collective)."""
+    local proxy of the model (it is never whole on one rank), and the plan says how FSDP2
+    accumulates (`parallel.accumulation`): sharded, every rank running the same number of
+    micro-batches (each one is a collective), or unsharded, each rank its own number."""
     if not ctx.distributed:
         return single_process_plan(cfg)
     layout = layout or ShardLayout()
@@ -146,26 +155,53 @@ def plan_for_run(
                       Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
                       memory_plans, cfg.train.optimizer, static=static, full_shape=shape if layout.sharded else None)
     del timed
+    # FSDP2 accumulating unsharded (`model.accounting.ACCUMULATIONS`): the largest micro-batch that
+    # fits beside full weights and gradients. Under an activation plan only where configured: the
+    # plan is solved for the layout's own bytes.
+    unsharded_limit = 0
+    if layout.accumulation == "unsharded":
+        unsharded_limit = tm.max_micro
+    elif layout.sharded and cfg.parallel.may_accumulate_unsharded() and memory_plans is None:
+        whole = sum(replace(layout, accumulation="unsharded").static_bytes(shape, cfg.train.optimizer).values())
+        unsharded_limit = micro_batches_within(memory, whole, facts["activation_bytes_per_sample"], tm.max_micro)
     gathered = all_gather_object(ctx, {"points": tm.points, "max_micro": tm.max_micro, "step_costs": tm.step_costs,
-                                       "facts": facts})
-    infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"],
-                      TimeModel(g["points"], g["max_micro"], g["step_costs"], per_micro_s))
-             for r, g in zip(reports, gathered)]
+                                       "facts": facts, "unsharded_limit": unsharded_limit})
     if link and console is not None and ctx.is_main:
         bw = "free" if link["bytes_per_s"] == float("inf") else f"{link['bytes_per_s'] / 1e9:.2g} GB/s"
         console.print(f"{layout.strategy}: {link['collectives']} collectives a micro-batch, priced "
                       f"{per_micro_s * 1e3:.1f} ms ({link['latency_s'] * 1e3:.2f} ms each + "
                       f"{link['bytes_sent'] / 2**20:.1f} MiB at {bw}"
-                      f"{' declared' if cfg.parallel.link_gbps else ' measured'})")
+                      f"{' declared' if cfg.parallel.link_gbps else ' measured'}); accumulating unsharded, "
+                      f"{link['unsharded_step_s'] * 1e3:.1f} ms once a step")
     B = cfg.train.global_batch_size
-    if cfg.cluster.balance == "fixed":
-        plan = fixed_plan(infos, B, [(a.samples, a.micro_batch_size) for a in cfg.cluster.assignments])
-    elif cfg.cluster.balance == "equal":
-        plan = equal_plan(infos, B)
+
+    def solve(per_micro: float, per_step: float, unsharded: bool) -> BalancePlan:
+        infos = [RankInfo(r["rank"], r["host"], r["device"], r["memory_gb"],
+                          TimeModel(g["points"], g["unsharded_limit"] if unsharded else g["max_micro"],
+                                    g["step_costs"], per_micro, per_step))
+                 for r, g in zip(reports, gathered)]
+        if cfg.cluster.balance == "fixed":
+            plan = fixed_plan(infos, B, [(a.samples, a.micro_batch_size) for a in cfg.cluster.assignments])
+        elif cfg.cluster.balance == "equal":
+            plan = equal_plan(infos, B)
+        else:  # accumulating sharded, every micro-batch is a collective: every rank runs as many
+            plan = balanced_plan(infos, B, equal_counts=layout.sharded and not unsharded)
+        return equal_counts(plan, infos) if layout.sharded and not unsharded else plan
+
+    if not layout.sharded:
+        plan = solve(0.0, 0.0, False)
     else:
-        plan = balanced_plan(infos, B, equal_counts=layout.sharded)
-    if layout.sharded:
-        plan = equal_counts(plan, infos)
+        sharded_plan = solve(per_micro_s, 0.0, False) if layout.accumulation == "sharded" else None
+        unsharded_plan = None
+        if all(g["unsharded_limit"] >= 1 for g in gathered):
+            try:
+                unsharded_plan = solve(0.0, link.get("unsharded_step_s", 0.0), True)
+            except BalanceError:  # a fixed share whose micro-batch fits only sharded
+                if layout.accumulation == "unsharded":
+                    raise
+        plan, why = choose_accumulation(sharded_plan, unsharded_plan, cfg.parallel.accumulation)
+        if console is not None and ctx.is_main:
+            console.print(f"{layout.strategy}: {why}")
     plan.fingerprint = fingerprint
     plan = broadcast_object(ctx, plan)
     if ctx.is_main:
@@ -184,7 +220,8 @@ class DriftMonitor:
     def __init__(self, plan: BalancePlan, threshold: float, window: int, warmup_steps: int = 2):
         self.plan, self.threshold, self.window, self.warmup = plan, threshold, window, warmup_steps
         self.strikes, self.seen = 0, 0
-        self.models = [TimeModel(m["points"], m["max_micro"], m.get("step_costs", []), m.get("per_micro_s", 0.0))
+        self.models = [TimeModel(m["points"], m["max_micro"], m.get("step_costs", []), m.get("per_micro_s", 0.0),
+                                 m.get("per_step_s", 0.0))
                        for m in plan.models]
 
     def observe(self, compute_s: list[float]) -> BalancePlan | None:

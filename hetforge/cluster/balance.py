@@ -41,6 +41,8 @@ class TimeModel:
     # seconds of collectives every micro-step launches whatever its size (FSDP2 gathers each unit's
     # weights and reduce-scatters its gradients per micro-batch): fewer, larger micro-batches save them
     per_micro_s: float = 0.0
+    # seconds of collectives once a step, whatever the share (FSDP2 accumulating unsharded)
+    per_step_s: float = 0.0
 
     def __post_init__(self):
         self.points = sorted((int(b), float(t)) for b, t in self.points)
@@ -74,7 +76,7 @@ class TimeModel:
 
     def scaled(self, factor: float) -> "TimeModel":
         return TimeModel([(b, t * factor) for b, t in self.points], self.max_micro,
-                         [(b, t * factor) for b, t in self.step_costs], self.per_micro_s)
+                         [(b, t * factor) for b, t in self.step_costs], self.per_micro_s, self.per_step_s)
 
     def samples_per_s(self) -> float:
         return max(b / t for b, t in self.points if b <= self.max_micro)
@@ -84,7 +86,8 @@ class TimeModel:
         for b in sorted({b for b in self._bs if b <= self.max_micro} | {min(n, self.max_micro)}):
             a = math.ceil(n / b)
             q, r = divmod(n, a)  # r micro-steps of q + 1 samples, a - r of q
-            t = r * self(q + 1) + (a - r) * self(q) + a * self.per_micro_s + self.step_cost(q + 1 if r else q)
+            t = r * self(q + 1) + (a - r) * self(q) + a * self.per_micro_s + self.step_cost(q + 1 if r else q) \
+                + self.per_step_s
             if best is None or t < best[0] - 1e-15:
                 best = (t, q, r, a)
         return best
@@ -107,7 +110,8 @@ class TimeModel:
         parts = [q + 1] * r + [q] * (k - r)
         if parts[0] > self.max_micro:
             return parts, math.inf
-        return parts, sum(self(max(p, 1)) for p in parts) + k * self.per_micro_s + self.step_cost(max(parts[0], 1))
+        return parts, (sum(self(max(p, 1)) for p in parts) + k * self.per_micro_s + self.step_cost(max(parts[0], 1))
+                       + self.per_step_s)
 
     def cost_in(self, n: int, k: int) -> float:
         return self.split_in(n, k)[1]
@@ -141,6 +145,7 @@ class BalancePlan:
     shares: list[RankShare]
     fingerprint: str = ""
     models: list[dict] = field(default_factory=list)  # the time models it was solved from
+    accumulation: str = "sharded"  # FSDP2's (`model.accounting.ACCUMULATIONS`); replicated runs: sharded
 
     @property
     def predicted_step_s(self) -> float:
@@ -167,12 +172,12 @@ class BalancePlan:
     def to_dict(self) -> dict:
         return {"global_batch": self.global_batch, "mode": self.mode, "fingerprint": self.fingerprint,
                 "predicted_step_s": self.predicted_step_s, "shares": [asdict(s) for s in self.shares],
-                "models": self.models}
+                "models": self.models, "accumulation": self.accumulation}
 
     @classmethod
     def from_dict(cls, d: dict) -> "BalancePlan":
         return cls(d["global_batch"], d["mode"], [RankShare(**s) for s in d["shares"]], d.get("fingerprint", ""),
-                   d.get("models", []))
+                   d.get("models", []), d.get("accumulation", "sharded"))
 
     def save(self, path: Path) -> None:
         write_text_atomic(path, json.dumps(self.to_dict(), indent=1))
@@ -231,7 +236,7 @@ class RankInfo:
 def _models(infos: list[RankInfo]) -> list[dict]:
     """The time models a plan was solved from, kept in the plan so re-balancing can rescale them."""
     return [{"points": i.model.points, "max_micro": i.model.max_micro, "step_costs": i.model.step_costs,
-             "per_micro_s": i.model.per_micro_s} for i in infos]
+             "per_micro_s": i.model.per_micro_s, "per_step_s": i.model.per_step_s} for i in infos]
 
 
 def _shares(infos: list[RankInfo], counts: list[int]) -> list[RankShare]:
@@ -375,6 +380,36 @@ def fixed_plan(infos: list[RankInfo], global_batch: int, assignments: list[tuple
         parts = [b] * (a - 1) + [n - b * (a - 1)] if a else []
         shares.append(RankShare(info.rank, info.host, info.device, info.memory_gb, info.model.samples_per_s(),
                                 info.model.max_micro, n, parts,
-                                sum(info.model(p) for p in parts) + len(parts) * info.model.per_micro_s))
+                                sum(info.model(p) for p in parts) + len(parts) * info.model.per_micro_s
+                                + info.model.per_step_s))
     return BalancePlan(global_batch, "fixed", shares,
                        models=_models(infos))
+
+
+def choose_accumulation(sharded: BalancePlan | None, unsharded: BalancePlan | None,
+                        setting: str) -> tuple[BalancePlan, str]:
+    """FSDP2's accumulation for a run (`model.accounting.ACCUMULATIONS`), from the two balances
+    solved on the same probes: `unsharded` is None where some rank's memory cannot hold full weights
+    and gradients (`sharded` is None only when unsharded is configured). auto takes unsharded only
+    when it prices the step faster: it frees each rank to run the micro-batch count that suits its
+    speed and pays the collectives once a step, for ZeRO-1's memory during the step. Returns the
+    plan, marked, and why in one line."""
+    if setting == "unsharded":
+        if unsharded is None:
+            raise BalanceError("parallel.accumulation=unsharded: some rank cannot hold the full weights and "
+                               "gradients with a micro-batch of one; use accumulation: sharded (or auto)")
+        unsharded.accumulation = "unsharded"
+        return unsharded, "gradients accumulated unsharded, reduced once a step (as configured)"
+    if sharded is None:
+        raise BalanceError("no sharded balance to choose from")
+    sharded.accumulation = "sharded"
+    if setting == "sharded" or unsharded is None:
+        why = "as configured" if setting == "sharded" else "full weights and gradients do not fit every rank"
+        return sharded, f"gradients reduce-scattered every micro-batch ({why})"
+    a, u = sharded.predicted_step_s, unsharded.predicted_step_s
+    if u < a:
+        unsharded.accumulation = "unsharded"
+        return unsharded, (f"auto: gradients accumulated unsharded, reduced once a step: predicted "
+                           f"{u * 1e3:.0f} ms against {a * 1e3:.0f} ms reducing every micro-batch")
+    return sharded, (f"auto: gradients reduce-scattered every micro-batch: predicted {a * 1e3:.0f} ms against "
+                     f"{u * 1e3:.0f} ms accumulating unsharded")

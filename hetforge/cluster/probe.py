@@ -96,6 +96,16 @@ def largest_fitting(fits: Callable[[int], bool], max_micro: int, bisect: bool) -
     return limit
 
 
+def micro_batches_within(memory_bytes: float | None, static: float, act_per_sample: float, cap: int) -> int:
+    """The largest micro-batch (at most `cap`) whose activations, with the workspace margin, fit
+    beside `static` bytes; 0 when not even one does. Unknown memory bounds nothing."""
+    if memory_bytes is None:
+        return cap
+    if act_per_sample <= 0:
+        return cap if static <= memory_bytes else 0
+    return max(0, min(cap, int((memory_bytes - static) // (WORKSPACE_MARGIN * act_per_sample))))
+
+
 def planned_points(keep_all_s: dict[int, float], slowdown: dict[int, float]) -> list[tuple[int, float]]:
     """(micro-batch, seconds) under each size's plan: the measured keep-all time times the plan's
     predicted time over keep-all's (1 where no plan is needed)."""

@@ -156,7 +156,8 @@ def state_shares(group_sizes: list[list[int]], weights: list[float]) -> list[flo
 
 def sharded_static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", strategy: str = "ddp",
                          shard_size: int = 1, offload: str = "none", gather_bytes: int = WEIGHT_BYTES,
-                         min_unit_params: int = MIN_UNIT_PARAMS, state_share: float | None = None) -> dict[str, float]:
+                         min_unit_params: int = MIN_UNIT_PARAMS, state_share: float | None = None,
+                         accumulation: str = "sharded") -> dict[str, float]:
     """Device bytes per rank that do not depend on the activation plan, by kind, under a data-parallel
     strategy over a shard group of `shard_size` ranks (ZeRO, Rajbhandari et al. 2020):
 
@@ -165,6 +166,10 @@ def sharded_static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", strateg
       every unit's gathered weights stay from its forward to its backward;
     - fsdp (ZeRO-3): all sharded; gathered are the unit computing and the one prefetched, and in the
       backward one unit's full gradients before their reduce-scatter.
+
+    `accumulation`: "unsharded" (zero2 and fsdp) holds every unit's gathered weights and its full
+    gradients from the step's first micro-batch to its last, which reduce-scatters them once: in
+    the step, ZeRO-1's bytes plus the shards (see `ACCUMULATIONS`).
 
     `gather_bytes`: bytes per gathered weight (2 under a 16-bit FSDP mixed-precision policy).
     `offload`: "optimizer" keeps the state on the host; "params" (FSDP2's CPU offload) keeps
@@ -183,10 +188,11 @@ def sharded_static_bytes(shape: GPTNeoXConfig, optimizer: str = "adamw", strateg
     else:
         units = shard_units(shape, min_unit_params)
         biggest_two = sum(sorted(units)[-2:])
-        gathered = n if strategy == "zero2" else biggest_two
+        unsharded = accumulation == "unsharded"
+        gathered = n if strategy == "zero2" or unsharded else biggest_two
         out = {"weights": float(WEIGHT_BYTES * n / s), "gradients": float(GRAD_BYTES * n / s),
                "optimizer state": float(opt / s), "gathered weights": float(gather_bytes * gathered),
-               "gathered gradients": float(GRAD_BYTES * max(units))}
+               "gathered gradients": float(GRAD_BYTES * (n if unsharded else max(units)))}
         if offload == "params":
             for kind in ("weights", "gradients", "optimizer state"):
                 out[kind] = 0.0
@@ -214,6 +220,18 @@ def collective_bytes_per_step(shape: GPTNeoXConfig, strategy: str, shard_size: i
     return micro_batches * (gathers * gather_bytes * n + GRAD_BYTES * n) * ring
 
 
+def unsharded_accumulation_collectives(shape: GPTNeoXConfig, shard_size: int, gather_bytes: int = WEIGHT_BYTES,
+                                       min_unit_params: int = MIN_UNIT_PARAMS) -> tuple[int, float]:
+    """(collectives, bytes each rank sends) per optimizer step of FSDP2 accumulating unsharded,
+    whatever the number of micro-batches: each unit's weights gathered once (the first micro-batch's
+    forward) and its gradients reduce-scattered once (the last one's backward)."""
+    n = count_parameters(shape)["total"]
+    s = max(int(shard_size), 1)
+    if s == 1:
+        return 0, 0.0
+    return 2 * len(shard_units(shape, min_unit_params)), (gather_bytes + GRAD_BYTES) * n * (s - 1) / s
+
+
 def collectives_per_micro_batch(shape: GPTNeoXConfig, strategy: str, min_unit_params: int = MIN_UNIT_PARAMS) -> int:
     """Collectives each micro-batch launches under FSDP2: per unit (`shard_units`) one all-gather of
     its weights for the forward, another for the backward where they were freed after the forward
@@ -222,6 +240,16 @@ def collectives_per_micro_batch(shape: GPTNeoXConfig, strategy: str, min_unit_pa
     if strategy not in ("zero2", "fsdp"):
         return 0
     return len(shard_units(shape, min_unit_params)) * (2 if strategy == "zero2" else 3)
+
+
+# How FSDP2 (zero2, fsdp) accumulates gradients over a step's micro-batches:
+# - sharded: every micro-batch gathers each unit's weights and reduce-scatters its gradients (least
+#   memory; each micro-batch is a collective, so every rank must run the same number of them);
+# - unsharded: weights gathered once a step and kept, gradients accumulated whole and reduce-scattered
+#   once, by the last micro-batch (`set_requires_gradient_sync`, `set_reshard_after_backward`): for the
+#   step, full weights and gradients on every rank, as ZeRO-1, but collectives once a step, so ranks
+#   may run different numbers of micro-batches, each at the size it computes fastest.
+ACCUMULATIONS = ("sharded", "unsharded")
 
 
 @dataclass(frozen=True)
@@ -234,6 +262,7 @@ class ShardLayout:
     offload: str = "none"  # none | optimizer | params
     unit_params: int = MIN_UNIT_PARAMS
     state_share: float | None = None  # zero1 by memory: this rank's fraction of the optimizer state
+    accumulation: str = "sharded"  # zero2 / fsdp: see ACCUMULATIONS
 
     @property
     def sharded(self) -> bool:
@@ -243,4 +272,5 @@ class ShardLayout:
                      optimizer_offload: bool = False) -> dict[str, float]:
         offload = "optimizer" if optimizer_offload and self.offload == "none" else self.offload
         return sharded_static_bytes(shape, optimizer, self.strategy, self.shard_size, offload, self.gather_bytes,
-                                    self.unit_params, self.state_share)
+                                    self.unit_params, self.state_share,
+                                    self.accumulation if self.sharded else "sharded")

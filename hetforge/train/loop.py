@@ -338,6 +338,7 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.state = TrainState()
         self._checkpoints_written = 0
+        self.balance_plan: BalancePlan | None = None  # `plan` solves it
         self.say = console.print if ctx.is_main else (lambda *a, **k: None)
 
     # ------------------------------------------------------------------ setup
@@ -554,9 +555,14 @@ class Trainer:
     def layout(self) -> ShardLayout:
         shard = shard_group_size(self.mesh) if self.mesh is not None else self.ctx.world_size
         shares = self.zero1_shares if self.strategy == "zero1" else None
+        # FSDP2's accumulation: the balance decides it (auto); before it, what is configured
+        plan = self.balance_plan
+        accumulation = plan.accumulation if plan is not None else \
+            ("unsharded" if self.cfg.parallel.accumulation == "unsharded" else "sharded")
         return ShardLayout(self.strategy if self.strategy != "single" else "ddp",
                            shard if self.strategy != "ddp" else 1, self._gather_bytes(), self.cfg.parallel.offload,
-                           self.unit_params, shares[self.ctx.rank] if shares else None)
+                           self.unit_params, shares[self.ctx.rank] if shares else None,
+                           accumulation if self.sharded else "sharded")
 
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
@@ -593,7 +599,8 @@ class Trainer:
         if self.compiled:
             compile_blocks(self.model)
         self.say(f"compile: {'on' if self.compiled else 'off'} ({why})")
-        self.par: Parallel = parallelize(self.model, ctx, self.device, self.strategy)
+        self.par: Parallel = parallelize(self.model, ctx, self.device, self.strategy,
+                                         accumulation=self.balance_plan.accumulation)
         if self.sharded:  # the ranks meet at every unit: a slow device is slowed where each module runs
             m = self.model
             self.slowdown.install_per_module([m.embed_in, *m.layers, m.final_layer_norm, m.embed_out, self.loss_fn],

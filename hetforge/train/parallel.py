@@ -123,17 +123,24 @@ class Parallel:
     # by the world size); FSDP here sums them (see `shard_model`), so 1
     grad_weight: float = 1.0
     sharded: bool = False  # parameters are DTensor shards (state goes through DCP)
+    # FSDP2 accumulating unsharded (`model.accounting.ACCUMULATIONS`): the step's first micro-batch
+    # gathers the weights, its last reduce-scatters the gradients, none between
+    accumulate_unsharded: bool = False
 
     @property
     def every_micro_batch_collective(self) -> bool:
-        """FSDP gathers weights and reduce-scatters gradients in every micro-batch: ranks must run
-        the same number of micro-batches per step (sizes may differ)."""
-        return self.sharded
+        """FSDP accumulating sharded gathers weights and reduce-scatters gradients in every micro-
+        batch: ranks must run the same number of micro-batches per step (sizes may differ)."""
+        return self.sharded and not self.accumulate_unsharded
 
     def sync(self, last: bool):
-        """The context of one micro-batch's forward/backward: DDP all-reduces on the last only."""
+        """The context of one micro-batch's forward/backward: DDP all-reduces on the last only, and
+        so does FSDP2 accumulating unsharded, whose weights also stay gathered until then."""
         if isinstance(self.net, DistributedDataParallel) and not last:
             return self.net.no_sync()
+        if self.accumulate_unsharded:
+            self.net.set_requires_gradient_sync(last)
+            self.net.set_reshard_after_backward(last)
         return contextlib.nullcontext()
 
 
@@ -205,13 +212,18 @@ def init_sharded(model: nn.Module, device: torch.device, seed: int) -> None:
 
 
 def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strategy: str,
-                mesh=None) -> Parallel:
+                mesh=None, accumulation: str = "sharded") -> Parallel:
     """Wrap the model for data parallelism. Sharded strategies are applied earlier, on the meta
-    device (`shard_model`, before the weights exist); here DDP wraps the replicated ones."""
+    device (`shard_model`, before the weights exist); here DDP wraps the replicated ones, and a
+    sharded model accumulating unsharded keeps its gathered weights from forward to backward (so
+    that no micro-batch but the first gathers)."""
     if not ctx.distributed:
         return Parallel(model, "single")
     if strategy in ("zero2", "fsdp"):
-        return Parallel(model, strategy, sharded=True)
+        unsharded = accumulation == "unsharded"
+        if unsharded:
+            model.set_reshard_after_forward(False)
+        return Parallel(model, strategy, sharded=True, accumulate_unsharded=unsharded)
     net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=True)
     clock = BucketClock(cuda_event if device.type == "cuda" else None)
