@@ -80,8 +80,11 @@ def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strate
     plan = json.loads((Path(cfg.run_dir) / "balance.json").read_text())
     assert [s["samples"] for s in plan["shares"]] == [n for n, _ in shares]
     if unsharded:  # collectives once a step: each rank its own count of micro-batches, as assigned
-        assert plan["accumulation"] == "unsharded"
+        assert plan["accumulation"] == "unsharded" and state_bytes(cfg)["accumulation"] == "unsharded"
         assert [len(s["micro_batches"]) for s in plan["shares"]] == [-(-n // b) for n, b in shares]
+        # for the step, every unit's weights gathered and the gradients whole, as the plan priced
+        predicted = state_bytes(cfg)["predicted"]
+        assert predicted["gathered gradients"] == pytest.approx(predicted["gradients"] * len(shares))
         assert (ckpt.resolve(cfg.run_dir) / "dcp").is_dir()
     elif strategy in ("zero2", "fsdp"):  # every micro-batch is a collective: the same count on every rank
         assert plan["accumulation"] == "sharded"

@@ -749,6 +749,7 @@ class Trainer:
         ranks = all_gather_object(self.ctx, {"rank": self.ctx.rank, **self.held, "predicted": predicted})
         if self.ctx.is_main:
             self.logger.log("event", self.state.step, {"event": "state_bytes", "strategy": self.strategy,
+                                                       "accumulation": self.layout().accumulation,
                                                        "predicted": predicted, "ranks": ranks})
 
     # ---------------------------------------------------------------- observe
