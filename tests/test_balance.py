@@ -288,19 +288,3 @@ def test_the_micro_batch_that_fits_beside_full_weights_and_gradients():
     assert micro_batches_within(1 << 30, 600 << 20, act, 16) == 16  # the probe's own limit stands
     assert micro_batches_within(1 << 30, 1020 << 20, act, 96) == 0  # not one sample: sharded only
     assert micro_batches_within(None, 1e15, act, 96) == 96  # unknown memory bounds nothing
-
-
-def test_the_probe_times_a_short_step_more_often():
-    from hetforge.cluster.probe import PROBE_MAX_FACTOR, PROBE_MIN_S, timed_enough
-
-    assert not timed_enough([1.0], 2)  # never fewer than asked
-    assert timed_enough([1.0, 1.0], 2)  # long steps: as asked
-    short = [0.01] * 2
-    assert not timed_enough(short, 2)  # 20 ms in all: time on
-    while not timed_enough(short, 2):
-        short.append(0.01)
-    assert len(short) == PROBE_MAX_FACTOR * 2  # capped
-    medium = [0.1] * 2
-    while not timed_enough(medium, 2):
-        medium.append(0.1)
-    assert sum(medium) >= PROBE_MIN_S and len(medium) == 3

@@ -120,25 +120,10 @@ def planned_step_costs(keep_all_s: dict[int, float], predicted_keep_all_s: dict[
             for b in sorted(keep_all_s) if predicted_step_s.get(b, 0.0) > 0 and predicted_keep_all_s.get(b, 0.0) > 0]
 
 
-# A size is timed `steps` times at least, and while its timed steps add up to less than
-# PROBE_MIN_S, up to PROBE_MAX_FACTOR x `steps`: on a CPU a median of two short steps put a single
-# sample at 28 ms against 32 ms a sample in batches of 8 (timed side by side, many times, the two
-# cost the same per sample within 2%), and the balance then chose micro-batches of 1 and 2.
-PROBE_MIN_S = 0.3
-PROBE_MAX_FACTOR = 5
-
-
-def timed_enough(times: list[float], steps: int) -> bool:
-    """Whether a size's timed steps (warm-up excluded) suffice: `steps` of them at least, then until
-    they add up to PROBE_MIN_S or there are PROBE_MAX_FACTOR x `steps`."""
-    return len(times) >= steps and (sum(times) >= PROBE_MIN_S or len(times) >= PROBE_MAX_FACTOR * steps)
-
-
 def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, device: torch.device, autocast,
                slowdown: Slowdown, steps: int, plans: dict | None = None) -> dict[int, float]:
-    """Median seconds of a forward+backward micro-step at each size (after one warm-up; `steps`
-    timed steps or more, see `timed_enough`), keep-all unless `plans` gives the size a plan to run
-    under. The parameters are left unchanged."""
+    """Median seconds of a forward+backward micro-step at each size (after one warm-up), keep-all
+    unless `plans` gives the size a plan to run under. The parameters are left unchanged."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG stream untouched
     was_training = model.training
     model.eval()  # same compute; no dropout draws
@@ -148,8 +133,7 @@ def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, dev
         times = []
         if plans and b in plans:
             apply_plan(model, plans[b], measure=False)
-        i = 0  # the first step is a warm-up
-        while not timed_enough(times, steps):
+        for i in range(steps + 1):  # first is warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0, c0 = time.perf_counter(), slowdown.clock()
@@ -167,7 +151,6 @@ def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, dev
             slowdown.after_backward(slowdown.clock() - c1)
             if i:
                 times.append(time.perf_counter() - t0)
-            i += 1
         model.zero_grad(set_to_none=True)
         if plans and b in plans:
             apply_plan(model, None)
