@@ -272,5 +272,4 @@ class ShardLayout:
                      optimizer_offload: bool = False) -> dict[str, float]:
         offload = "optimizer" if optimizer_offload and self.offload == "none" else self.offload
         return sharded_static_bytes(shape, optimizer, self.strategy, self.shard_size, offload, self.gather_bytes,
-                                    self.unit_params, self.state_share,
-                                    self.accumulation if self.sharded else "sharded")
+                                    self.unit_params, self.state_share, self.accumulation)

@@ -744,12 +744,13 @@ class Trainer:
     def record_state_bytes(self) -> None:
         """Every rank's measured bytes of weights, gradients and optimizer state beside what the
         layout predicts (`model.accounting.sharded_static_bytes`), in metrics.jsonl."""
-        predicted = self.layout().static_bytes(self.model_cfg, self.cfg.train.optimizer,
-                                               self.check is not None and self.check.dp.optimizer_offload)
+        layout = self.layout()
+        predicted = layout.static_bytes(self.model_cfg, self.cfg.train.optimizer,
+                                        self.check is not None and self.check.dp.optimizer_offload)
         ranks = all_gather_object(self.ctx, {"rank": self.ctx.rank, **self.held, "predicted": predicted})
         if self.ctx.is_main:
             self.logger.log("event", self.state.step, {"event": "state_bytes", "strategy": self.strategy,
-                                                       "accumulation": self.layout().accumulation,
+                                                       "accumulation": layout.accumulation,
                                                        "predicted": predicted, "ranks": ranks})
 
     # ---------------------------------------------------------------- observe

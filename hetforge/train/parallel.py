@@ -127,12 +127,6 @@ class Parallel:
     # gathers the weights, its last reduce-scatters the gradients, none between
     accumulate_unsharded: bool = False
 
-    @property
-    def every_micro_batch_collective(self) -> bool:
-        """FSDP accumulating sharded gathers weights and reduce-scatters gradients in every micro-
-        batch: ranks must run the same number of micro-batches per step (sizes may differ)."""
-        return self.sharded and not self.accumulate_unsharded
-
     def sync(self, last: bool):
         """The context of one micro-batch's forward/backward: DDP all-reduces on the last only, and
         so does FSDP2 accumulating unsharded, whose weights also stay gathered until then."""
