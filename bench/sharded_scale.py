@@ -256,7 +256,7 @@ def main() -> None:
               f"{peers} | ratio of medians {figures['vs_deepspeed']}", flush=True)
 
     # one rank 2x slower: equal split against hetforge's balance, interleaved
-    eq_s, bal_s, predicted = [], [], {"equal": [], "auto": []}
+    eq_s, bal_s, predicted, runs = [], [], {"equal": [], "auto": []}, []
     for rnd in range(hetero_rounds if "hetero" in parts else 0):
         for name, balance, out in ((f"hetero-equal-{rnd}", "equal", eq_s), (f"hetero-balanced-{rnd}", "auto", bal_s)):
             r = launch(config(work, name, 2, "fsdp", hetero_steps, HETERO_BATCH, slowdown=2.0, balance=balance,
@@ -265,6 +265,12 @@ def main() -> None:
                 raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
             out.append(steady(work, name)["step_s"])
             predicted[balance].append(json.loads((work / name / "balance.json").read_text()))
+            shares = predicted[balance][-1]["shares"]
+            runs.append({"run": name, "measured_s": out[-1], "predicted_s": predicted[balance][-1]["predicted_step_s"],
+                         "micro_batches": [[len(s["micro_batches"]), max(s["micro_batches"], default=0)]
+                                           for s in shares]})
+            print(f"  {name}: {out[-1] * 1e3:.0f} ms, predicted {runs[-1]['predicted_s'] * 1e3:.0f} ms, "
+                  f"micro-batches (count, size) {runs[-1]['micro_batches']}", flush=True)
     if bal_s:
         plan = predicted["auto"][0]
         figures["hetero_k2_ratio"] = statistics.median(bal_s) / statistics.median(eq_s)
@@ -272,6 +278,7 @@ def main() -> None:
             statistics.median(p["predicted_step_s"] for p in predicted["equal"])
         figures["hetero_split"] = [s["micro_batches"] for s in plan["shares"]]
         figures["hetero_accumulation"] = [p.get("accumulation") for p in predicted["equal"] + predicted["auto"]]
+        figures["hetero_runs"] = runs
         print(f"one rank 2x slower under FSDP: equal {[round(t * 1e3) for t in eq_s]} ms | balanced "
               f"{[round(t * 1e3) for t in bal_s]} ms (first split {[len(m) for m in figures['hetero_split']]} "
               f"micro-batches of {[max(m) for m in figures['hetero_split']]}; accumulation "

@@ -3,6 +3,7 @@ unequal shares and a rank with none, per-rank state ~1/W, checkpoints that resha
 size and strategy."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -400,3 +401,22 @@ def test_fsdp_takes_one_block_a_unit_only_where_grouped_units_do_not_fit():
     assert unit_size_that_fits(shape, "adamw", needs(300 * mib), "fsdp", 4, 4) == (1 << 22, None)  # nothing fits
     assert unit_size_that_fits(shape, "adamw", needs(512 * mib), "zero1", 4, 4) == (1 << 22, None)
     assert unit_size_that_fits(shape, "adamw", [RankNeed(0, "cpu", None, act)] * 4, "fsdp", 4, 4) == (1 << 22, None)
+
+
+def test_probe_times_the_proxy_under_fsdp_hooks_on_a_mesh_of_its_own_rank(tmp_path):
+    """The probe's proxy is wrapped as the model is, on each rank's own one-rank mesh: ranks that
+    time different sizes never meet in a collective (a shared one would hang or fail), the wrapped
+    proxy computes what the bare one does, and its activations are measured bare (FSDP2's gathered
+    weights are not activations)."""
+    from tests.test_distributed import ENV, ROOT, torchrun_cmd
+
+    out = tmp_path / "probe"
+    res = subprocess.run(torchrun_cmd(2, str(ROOT / "tests" / "local_shard_worker.py"), str(out)),
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r0, r1 = (json.loads(Path(f"{out}.{r}.json").read_text()) for r in (0, 1))
+    assert r0["sizes"] == [1, 2, 4] and r1["sizes"] == [1]
+    for r in (r0, r1):
+        assert r["wrapped"]
+        assert r["max_abs_diff"] < 1e-5
+        assert r["act"] == r["act_bare"] > 0

@@ -14,6 +14,7 @@ import json
 import statistics
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -119,11 +120,13 @@ def _memory_planner(cfg: RunConfig, model: nn.Module, device: torch.device, memo
 def plan_for_run(
     cfg: RunConfig, ctx: DistContext, model: nn.Module, device: torch.device, autocast, vocab: int,
     run_dir: Path, console=None, layout: ShardLayout | None = None,
+    wrap_proxy: Callable[[nn.Module], nn.Module] | None = None,
 ) -> BalancePlan:
     """The batch balance of a distributed run. Under a sharded `layout` each rank is probed on a
     local proxy of the model (it is never whole on one rank), and the plan says how FSDP2
     accumulates (`parallel.accumulation`): sharded, every rank running the same number of
-    micro-batches (each one is a collective), or unsharded, each rank its own number."""
+    micro-batches (each one is a collective), or unsharded, each rank its own number.
+    `wrap_proxy` shards the proxy as the model is, on a mesh of the calling rank alone (see `probe`)."""
     if not ctx.distributed:
         return single_process_plan(cfg)
     layout = layout or ShardLayout()
@@ -153,7 +156,8 @@ def plan_for_run(
     timed = proxy_model(shape, device) if layout.sharded else model
     tm, facts = probe(timed, cfg.train.seq_len, vocab, device, autocast, cfg.train.micro_batch_size, memory,
                       Slowdown(spec), cfg.cluster.probe_steps, spec.speed if all_declared else None, label,
-                      memory_plans, cfg.train.optimizer, static=static, full_shape=shape if layout.sharded else None)
+                      memory_plans, cfg.train.optimizer, static=static, full_shape=shape if layout.sharded else None,
+                      wrap=wrap_proxy if layout.sharded else None)
     del timed
     # FSDP2 accumulating unsharded (`model.accounting.ACCUMULATIONS`): the largest micro-batch that
     # fits beside full weights and gradients. Under an activation plan only where configured: the

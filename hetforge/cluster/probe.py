@@ -175,6 +175,7 @@ def probe(
     optimizer: str = "adamw",
     static: float | None = None,
     full_shape=None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[TimeModel, dict]:
     """Time model and memory facts of this rank. The model's parameters are left unchanged.
 
@@ -185,7 +186,14 @@ def probe(
     `static`: the rank's bytes of weights, gradients and optimizer state under its data-parallel
     strategy (default: all of them, replicated). `full_shape`: `model` is a local proxy with fewer
     layers (a sharded model is never whole on one rank, and FSDP's collectives would time the
-    slowest rank, not this one): activations are scaled per layer, times by FLOPs."""
+    slowest rank, not this one): activations are scaled per layer, times by FLOPs.
+
+    `wrap`: makes the model the loop's kind of module before it is timed (its memory is measured
+    bare, as `saved_bytes_per_sample` tells weights apart by storage). A sharded run's proxy is
+    timed under FSDP2's hooks on a mesh of this rank alone, accumulating: a micro-step then costs
+    what it does in the loop between collectives, hooks included (~3 ms a micro-batch of 1 or 2 for
+    the tiny model on a CPU, a tenth of its compute), so that many small micro-batches are not
+    priced as cheap as a few large ones."""
     shape = full_shape or model.cfg
     if static is None:
         static = sum(static_bytes(shape, optimizer).values())
@@ -231,7 +239,9 @@ def probe(
     if declared_speed is not None:  # declared relative speed: no timing needed
         measured = {b: b / declared_speed for b in sizes}
     else:
-        measured = time_steps(model, sizes, seq_len, vocab, device, autocast, slowdown, steps, run_planned)
+        # a size run under its plan is timed bare: the plan's wrappers go on plain blocks
+        timed = wrap(model) if wrap is not None and not run_planned else model
+        measured = time_steps(timed, sizes, seq_len, vocab, device, autocast, slowdown, steps, run_planned)
         measured = {b: t * time_factor for b, t in measured.items()}
     facts["measured_s"] = measured
     points = planned_points(measured, {b: s for b, s in slowdowns.items() if b not in run_planned})

@@ -127,6 +127,7 @@ from hetforge.train.parallel import (
     compile_decision,
     device_mesh,
     init_sharded,
+    local_sharding,
     local_state_bytes,
     parallelize,
     shard_group_size,
@@ -424,7 +425,7 @@ class Trainer:
             pc = cfg.parallel
             self.mesh = device_mesh(ctx, self.device, pc.mesh.replicate, pc.mesh.shard)
             shard_model(self.model, self.mesh, self.strategy, pc.reshard_after_forward, pc.offload,
-                        self.precision.dtype if self.precision.name != "fp32" else None, self.unit_params)
+                        self._param_dtype(), self.unit_params)
             init_sharded(self.model, torch.device("cpu") if pc.offload == "params" else self.device, tc.seed)
         self.scaler = self.precision.grad_scaler()
 
@@ -552,6 +553,10 @@ class Trainer:
         except PlanError:
             return False
 
+    def _param_dtype(self) -> torch.dtype | None:
+        """FSDP2's compute dtype for the weights (None: as stored, fp32)."""
+        return self.precision.dtype if self.precision.name != "fp32" else None
+
     def layout(self) -> ShardLayout:
         shard = shard_group_size(self.mesh) if self.mesh is not None else self.ctx.world_size
         shares = self.zero1_shares if self.strategy == "zero1" else None
@@ -566,8 +571,14 @@ class Trainer:
 
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
-        return plan_for_run(self.cfg, self.ctx, self.model, self.device, self.precision.autocast, self.vocab,
-                            self.run_dir, console if self.ctx.is_main else None, self.layout())
+        layout = self.layout()
+        with contextlib.ExitStack() as stack:
+            wrap = None
+            if self.sharded and self.ctx.distributed:  # the probe's proxy runs FSDP2's hooks, as the model does
+                wrap = stack.enter_context(local_sharding(self.device, self.strategy, self._param_dtype(),
+                                                          self.unit_params))
+            return plan_for_run(self.cfg, self.ctx, self.model, self.device, self.precision.autocast, self.vocab,
+                                self.run_dir, console if self.ctx.is_main else None, layout, wrap)
 
     def plan(self) -> None:
         cfg, ctx, tc = self.cfg, self.ctx, self.cfg.train

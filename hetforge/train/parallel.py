@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
@@ -167,6 +168,28 @@ def shard_model(model: nn.Module, mesh, strategy: str, reshard_after_forward: bo
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+
+
+@contextlib.contextmanager
+def local_sharding(device: torch.device, strategy: str, param_dtype: torch.dtype | None, unit_params: int):
+    """A function that shards a model into the units `shard_model` makes, on a mesh of the calling
+    rank alone, accumulating (after the first micro-step's gather, none runs a collective): the
+    probe times its proxy under it, so that a micro-batch costs FSDP2's hooks as it does in the
+    loop, with no wait for another rank. The one-rank group is made by this rank alone (ranks probe
+    different sizes, so no collective may pace them) and destroyed on exit."""
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("shard",))
+
+    def wrap(model: nn.Module) -> nn.Module:
+        shard_model(model, mesh, strategy, False, "none", param_dtype, unit_params)
+        model.set_requires_gradient_sync(False)
+        model.set_reshard_after_backward(False)
+        return model
+
+    try:
+        yield wrap
+    finally:
+        dist.destroy_process_group(group)
 
 
 def device_mesh(ctx: DistContext, device: torch.device, replicate: int | None, shard: int | None):
