@@ -20,7 +20,8 @@ memory budget, speed against DeepSpeed's ZeRO-3, and heterogeneous balance under
    Both take `parallel.accumulation: auto`: unequal micro-batch counts accumulating unsharded, or
    equal counts resharding every micro-batch, whichever the balance prices faster (the key
    `hetero_accumulation` says which each run took; `hetero_k2_predicted` is the balance's own
-   ratio). Goal <= 0.70; the ideal (no fixed cost) is 0.6875.
+   ratio; `hetero_runs` has each run's measured and predicted step and its micro-batches, (count,
+   size) per rank). Goal <= 0.70; the ideal (no fixed cost) is 0.6875.
 4. ZeRO-1 on two ranks of 512 and 256 MiB: the deepest model that trains with the optimizer state
    in proportion to memory (`parallel.state_shares: memory`) against equal parts, settled the same
    way as part 1 (key `zero1_memory_ratio`). Weights and gradients stay whole on every rank under

@@ -1,3 +1,4 @@
+import contextlib
 import itertools
 import random
 
@@ -288,3 +289,47 @@ def test_the_micro_batch_that_fits_beside_full_weights_and_gradients():
     assert micro_batches_within(1 << 30, 600 << 20, act, 16) == 16  # the probe's own limit stands
     assert micro_batches_within(1 << 30, 1020 << 20, act, 96) == 0  # not one sample: sharded only
     assert micro_batches_within(None, 1e15, act, 96) == 96  # unknown memory bounds nothing
+
+
+def test_the_probe_times_a_short_step_more_often():
+    from hetforge.cluster.probe import PROBE_MAX_FACTOR, PROBE_MIN_S, timed_enough
+
+    assert not timed_enough([1.0], 2)  # never fewer than asked
+    assert timed_enough([1.0, 1.0], 2)  # long steps: as asked
+    short = [0.01] * 2
+    assert not timed_enough(short, 2)  # 20 ms in all: time on
+    while not timed_enough(short, 2):
+        short.append(0.01)
+    assert len(short) == PROBE_MAX_FACTOR * 2  # capped
+    medium = [0.1] * 2
+    while not timed_enough(medium, 2):
+        medium.append(0.1)
+    assert sum(medium) >= PROBE_MIN_S and len(medium) == 3
+
+
+
+def test_the_probe_times_its_sizes_in_interleaved_rounds():
+    """One step of each size a round (a warm-up round first), so that a slow spell of the machine
+    lands on every size; a size stops when it has enough, and every size has `steps` at least."""
+    import torch
+    from torch import nn
+
+    from hetforge.cluster.probe import time_steps
+    from hetforge.cluster.spec import Slowdown
+
+    seen = []
+
+    class Recorder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+
+        def forward(self, x):
+            seen.append(x.shape[0])
+            return self.emb(x)
+
+    times = time_steps(Recorder(), [1, 2, 4], 8, 16, torch.device("cpu"), contextlib.nullcontext, Slowdown(None),
+                       steps=3)
+    assert set(times) == {1, 2, 4} and all(t > 0 for t in times.values())
+    assert seen[:12] == [1, 2, 4] * 4  # warm-up round, then three timed rounds side by side
+    assert all(seen.count(b) >= 4 for b in (1, 2, 4))

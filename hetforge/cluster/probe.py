@@ -120,20 +120,45 @@ def planned_step_costs(keep_all_s: dict[int, float], predicted_keep_all_s: dict[
             for b in sorted(keep_all_s) if predicted_step_s.get(b, 0.0) > 0 and predicted_keep_all_s.get(b, 0.0) > 0]
 
 
+# A size is timed `steps` times at least, and while its timed steps add up to less than
+# PROBE_MIN_S, up to PROBE_MAX_FACTOR x `steps`: on a CPU a median of two short steps put a single
+# sample at 28 ms against 32 ms a sample in batches of 8, and the balance chose micro-batches of 1
+# and 2, whose hooks and loader cost more in the loop than in a bare model's steps (a sharded run's
+# proxy is now timed under FSDP2's hooks: `probe`'s `wrap`).
+PROBE_MIN_S = 0.3
+PROBE_MAX_FACTOR = 5
+
+
+def timed_enough(times: list[float], steps: int) -> bool:
+    """Whether a size's timed steps (warm-up excluded) suffice: `steps` of them at least, then until
+    they add up to PROBE_MIN_S or there are PROBE_MAX_FACTOR x `steps`."""
+    return len(times) >= steps and (sum(times) >= PROBE_MIN_S or len(times) >= PROBE_MAX_FACTOR * steps)
+
+
 def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, device: torch.device, autocast,
                slowdown: Slowdown, steps: int, plans: dict | None = None) -> dict[int, float]:
-    """Median seconds of a forward+backward micro-step at each size (after one warm-up), keep-all
-    unless `plans` gives the size a plan to run under. The parameters are left unchanged."""
+    """Median seconds of a forward+backward micro-step at each size, keep-all unless `plans` gives
+    the size a plan to run under. The parameters are left unchanged.
+
+    The sizes are timed in rounds, one step of each a round after a warm-up round, while a size has
+    too few (`timed_enough`): a slow spell of the machine then lands on every size, not on whichever
+    was being timed. Timed one size after another, a CPU probe's per-sample times jumped 10-40%
+    from one size to the next and back, and the balance chose the sizes that happened to be timed
+    in a quiet spell."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG stream untouched
     was_training = model.training
     model.eval()  # same compute; no dropout draws
-    out = {}
-    for b in sizes:
-        x = torch.randint(0, vocab, (b, seq_len + 1), generator=gen).to(device)
-        times = []
-        if plans and b in plans:
-            apply_plan(model, plans[b], measure=False)
-        for i in range(steps + 1):  # first is warm-up
+    inputs = {b: torch.randint(0, vocab, (b, seq_len + 1), generator=gen).to(device) for b in sizes}
+    times: dict[int, list[float]] = {b: [] for b in sizes}
+    warm = False
+    while True:
+        due = [b for b in sizes if not warm or not timed_enough(times[b], steps)]
+        if not due:
+            break
+        for b in due:
+            x = inputs[b]
+            if plans and b in plans:
+                apply_plan(model, plans[b], measure=False)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0, c0 = time.perf_counter(), slowdown.clock()
@@ -149,14 +174,15 @@ def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, dev
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             slowdown.after_backward(slowdown.clock() - c1)
-            if i:
-                times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-        if plans and b in plans:
-            apply_plan(model, None)
-        out[b] = statistics.median(times)
+            if warm:
+                times[b].append(time.perf_counter() - t0)
+            del logits, loss
+            if plans and b in plans:
+                apply_plan(model, None)
+        warm = True
+    model.zero_grad(set_to_none=True)
     model.train(was_training)
-    return out
+    return {b: statistics.median(times[b]) for b in sizes}
 
 
 def probe(
