@@ -142,7 +142,7 @@ def time_steps(model: nn.Module, sizes: list[int], seq_len: int, vocab: int, dev
 
     The sizes are timed in rounds, one step of each a round after a warm-up round, while a size has
     too few (`timed_enough`): a slow spell of the machine then lands on every size, not on whichever
-    was being timed. Timed one size after another, a CPU probe's per-sample times jumped 10-40%
+    was being timed. Timed one size after another, a CPU probe's per-sample times jumped 5-45%
     from one size to the next and back, and the balance chose the sizes that happened to be timed
     in a quiet spell."""
     gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG stream untouched
