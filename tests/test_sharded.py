@@ -13,7 +13,7 @@ from hetforge.train import checkpoint as ckpt
 from hetforge.train.loop import train
 from hetforge.core.metrics import read_metrics
 from hetforge.model.load import load_for_inference
-from tests.test_distributed import losses, max_diff, run_train, two_cpus, with_cluster
+from tests.test_distributed import ENV, ROOT, losses, max_diff, run_train, torchrun_cmd, two_cpus, with_cluster
 
 
 def three_cpus() -> dict:
@@ -282,8 +282,6 @@ def test_plan_cluster_prints_the_strategy_and_each_kinds_plan(tmp_path):
 
     import yaml
 
-    from tests.test_distributed import ENV, ROOT
-
     cfg = {"name": "tiny", "run_dir": str(tmp_path / "run"), "data": {"out_dir": str(tmp_path / "d"),
                                                                       "tokenizer": {"vocab_size": 512}},
            "model": {"preset": None, "n_layers": 2, "d_model": 64, "n_heads": 4},
@@ -408,8 +406,6 @@ def test_probe_times_the_proxy_under_fsdp_hooks_on_a_mesh_of_its_own_rank(tmp_pa
     time different sizes never meet in a collective (a shared one would hang or fail), the wrapped
     proxy computes what the bare one does, and its activations are measured bare (FSDP2's gathered
     weights are not activations)."""
-    from tests.test_distributed import ENV, ROOT, torchrun_cmd
-
     out = tmp_path / "probe"
     res = subprocess.run(torchrun_cmd(2, str(ROOT / "tests" / "local_shard_worker.py"), str(out)),
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)

@@ -571,14 +571,12 @@ class Trainer:
 
     def balance(self) -> BalancePlan:
         """The share of the global batch each rank computes."""
-        layout = self.layout()
-        with contextlib.ExitStack() as stack:
-            wrap = None
-            if self.sharded and self.ctx.distributed:  # the probe's proxy runs FSDP2's hooks, as the model does
-                wrap = stack.enter_context(local_sharding(self.device, self.strategy, self._param_dtype(),
-                                                          self.unit_params))
+        # a sharded run's probe times its proxy under FSDP2's hooks, as the model runs
+        hooks = local_sharding(self.device, self.strategy, self._param_dtype(), self.unit_params) if self.sharded \
+            else contextlib.nullcontext()
+        with hooks as wrap:
             return plan_for_run(self.cfg, self.ctx, self.model, self.device, self.precision.autocast, self.vocab,
-                                self.run_dir, console if self.ctx.is_main else None, layout, wrap)
+                                self.run_dir, console if self.ctx.is_main else None, self.layout(), wrap)
 
     def plan(self) -> None:
         cfg, ctx, tc = self.cfg, self.ctx, self.cfg.train

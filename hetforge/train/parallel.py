@@ -176,11 +176,13 @@ def local_sharding(device: torch.device, strategy: str, param_dtype: torch.dtype
     rank alone, accumulating (after the first micro-step's gather, none runs a collective): the
     probe times its proxy under it, so that a micro-batch costs FSDP2's hooks as it does in the
     loop, with no wait for another rank. The one-rank group is made by this rank alone (ranks probe
-    different sizes, so no collective may pace them) and destroyed on exit."""
-    group = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("shard",))
+    different sizes, so no collective may pace them), only when a model is wrapped (a reused
+    balance or declared speeds time nothing), and destroyed on exit."""
+    groups = []
 
     def wrap(model: nn.Module) -> nn.Module:
+        groups.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        mesh = DeviceMesh.from_group(groups[-1], device.type, mesh_dim_names=("shard",))
         shard_model(model, mesh, strategy, False, "none", param_dtype, unit_params)
         model.set_requires_gradient_sync(False)
         model.set_reshard_after_backward(False)
@@ -189,7 +191,8 @@ def local_sharding(device: torch.device, strategy: str, param_dtype: torch.dtype
     try:
         yield wrap
     finally:
-        dist.destroy_process_group(group)
+        for group in groups:
+            dist.destroy_process_group(group)
 
 
 def device_mesh(ctx: DistContext, device: torch.device, replicate: int | None, shard: int | None):
