@@ -26,6 +26,10 @@ MIXED = [
     "attn:recompute-cache[qkv,sdpa] | mlp:keep-offload[hidden]",
     "attn:keep-offload[core,merged] | mlp:recompute-cache[up] | offload[x]",
     "attn:recompute-cache[rope] | mlp:recompute-cache[gelu,norm]",
+    # rebuilt in the backward: from sources kept, and from sources offloaded to the host
+    "attn:keep-rebuild[norm-out] | mlp:keep-rebuild[gelu-out,norm-out]",
+    "attn:keep-offload[core]-rebuild[norm-out] | mlp:keep-offload[hidden]-rebuild[gelu-out,norm-out] | offload[x]",
+    "attn:recompute | mlp:keep-rebuild[gelu-out]",
 ]
 
 
@@ -90,6 +94,43 @@ def test_saved_bytes_and_peaks_match_the_prediction(parallel):
         # copies early); down to 0.78 where a recomputed branch caches outputs (priced by an upper bound)
         assert peak <= pred.activation_peak * 1.01, o  # the plan never uses more than predicted
         assert peak >= pred.activation_peak * 0.70, o  # and the prediction is not loose
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_kept_branch_rebuilds_its_cheap_units_in_the_backward(autocast):
+    """The layer norms' and the GELU's outputs, rebuilt: the same gradients bit for bit, and not
+    held from forward to backward: the ledger holds less by exactly what the profile says rebuilding
+    frees. Under a bf16 autocast what a matmul saved is a cast of the norm's fp32 output, rebuilt
+    as such, beside the weight's cast, which stays."""
+    torch.manual_seed(0)
+    cfg = _cfg(True, n_layers=2)
+    model = GPTNeoX(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (3, 33))
+    rebuilt = "attn:keep-rebuild[norm-out] | mlp:keep-rebuild[gelu-out,norm-out]"
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return _step(model, idx)[0]
+
+    held = {}
+    for option in ("keep", rebuilt):
+        runner = apply_plan(model, Plan([option] * cfg.n_layers))
+        grads = step()
+        held[option] = runner.ledger.peak_device
+        ref = grads if option == "keep" else ref
+    apply_plan(model, None)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    blk = profile_block(cfg, 3, 32, "bf16" if autocast else "fp32", torch.device("cpu"), repeats=1)
+    units = {u.name: u for u in blk.units if u.rebuild_from}
+    assert set(units) == {"attn.norm-out", "mlp.norm-out", "mlp.gelu-out"}
+    assert units["mlp.gelu-out"].rebuild_from == "mlp.hidden" and units["attn.norm-out"].rebuild_from == "x"
+    frees = sum(u.rebuild_bytes for u in units.values())
+    assert frees > 0 and held["keep"] - held[rebuilt] == cfg.n_layers * frees
+    if autocast:  # the weights' casts stay
+        assert all(u.rebuild_bytes < u.bytes for u in units.values())
+    else:
+        assert all(u.rebuild_bytes == u.bytes for u in units.values())
+    assert blk.recompute["mlp"]["rebuild"] >= 0.0
 
 
 def test_the_profile_times_distinct_copies_of_the_block_and_frees_them():

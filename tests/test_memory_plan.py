@@ -17,7 +17,8 @@ MB = 2.0**20
 def synthetic_block(rng: random.Random, units_per_branch: int = 2) -> BlockProfile:
     """Random but physically shaped: each branch saves some units (keep or offload them) and has as
     many op units (cache or recompute them); recomputing a whole branch lowers its own peaks, and a
-    checkpoint costs a fixed overhead, a selective one more."""
+    checkpoint costs a fixed overhead, a selective one more. Each branch's last saved unit can be
+    rebuilt from the block input, for a tenth of its op's time, freeing 90% of its bytes."""
     a = rng.uniform(1, 4) * MB
     units = [Unit("x", "input", a, a, users=("attn", "mlp"))]
     fwd = 0.0
@@ -27,8 +28,12 @@ def synthetic_block(rng: random.Random, units_per_branch: int = 2) -> BlockProfi
         ops = 0.0
         for k in range(units_per_branch):
             s = rng.uniform(2, 10) * MB
-            units.append(Unit(f"{br}.s{k}", "saved", s, s * rng.uniform(0.7, 1.0)))
+            host = s * rng.uniform(0.7, 1.0)
             t = rng.uniform(0.2, 2) * 1e-3
+            if k == units_per_branch - 1:
+                units.append(Unit(f"{br}.s{k}", "saved", s, host, time_s=0.1 * t, rebuild_from="x", rebuild_bytes=0.9 * s))
+            else:
+                units.append(Unit(f"{br}.s{k}", "saved", s, host))
             units.append(Unit(f"{br}.o{k}", "op", s * rng.uniform(0.8, 1.5), time_s=t))
             full += s
             fwd += t
@@ -175,6 +180,17 @@ def test_decisions_encode_and_name():
     text = d.encode()
     assert text == "attn:keep-offload[s1] | mlp:recompute-cache[o0] | offload[x]"
     assert Decision.parse(text) == d
+    made = Decision(BranchPlan("keep", frozenset({"attn.s0"}), frozenset({"attn.s1"})), BranchPlan("recompute"))
+    assert made.encode() == "attn:keep-offload[s0]-rebuild[s1] | mlp:recompute"
+    assert Decision.parse(made.encode()) == made
+    with pytest.raises(ValueError, match="only a kept branch"):
+        Decision.parse("attn:recompute-rebuild[s1] | mlp:keep")
+    # rebuilding holds what the op does not make and pays the op again; a unit that cannot be
+    # rebuilt (no price) is held as kept
+    s1, keep = next(u for u in blk.units if u.name == "attn.s1"), blk.cost("keep")
+    c = blk.cost(Decision(BranchPlan("keep", frozenset(), frozenset({"attn.s1", "attn.s0"})), BranchPlan("keep")).encode())
+    assert c.held == pytest.approx(keep.held - s1.rebuild_bytes) and c.recompute_s == pytest.approx(s1.time_s)
+    assert c.host == 0 and (c.fwd_peak, c.bwd_peak) == (keep.fwd_peak, keep.bwd_peak)
     # a named option written out unit by unit is recognised as that option
     every = frozenset(u.name for u in blk.of("saved", "mlp"))
     assert blk.name(Decision(BranchPlan("keep"), BranchPlan("keep", every))) == "offload-mlp"

@@ -94,7 +94,7 @@ def profile_from_proxies(cfg: GPTNeoXConfig, micro_batch: int, seq: int, card: D
     units = []
     for ua, ub in zip(pa.units, pb.units):
         u = replace(ub, bytes=at(ua.bytes, ub.bytes), host_bytes=at(ua.host_bytes, ub.host_bytes),
-                    time_s=ub.time_s * t_scale)
+                    rebuild_bytes=at(ua.rebuild_bytes, ub.rebuild_bytes), time_s=ub.time_s * t_scale)
         if u.name == "attn.core" and probs:
             u = replace(u, bytes=u.bytes + probs, host_bytes=u.host_bytes + probs)
         if u.name == "attn.sdpa":
@@ -122,8 +122,9 @@ def block_summary(profile: ModelProfile, options: list[str]) -> str:
         modes = {d.attn.mode, d.mlp.mode}
         offloads = bool(d.offload_inputs) or any(d.branch(b).mode == "keep" and d.branch(b).units
                                                  for b in ("attn", "mlp"))
-        kind = ("mixed" if offloads and "recompute" in modes else "offload" if offloads
-                else "recompute" if "recompute" in modes else "keep")
+        recomputes = "recompute" in modes or any(d.branch(b).rebuilt for b in ("attn", "mlp"))
+        kind = ("mixed" if offloads and recomputes else "offload" if offloads
+                else "recompute" if recomputes else "keep")
         counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{n} {k}" for k, n in counts.items())
 

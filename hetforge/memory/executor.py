@@ -1,5 +1,6 @@
-"""Running a plan: per block and branch, keep or offload each saved unit (saved-tensor hooks that
-copy to the host after the forward and prefetch one block ahead of the backward), or recompute the
+"""Running a plan: per block and branch, keep, offload or rebuild each saved unit (saved-tensor
+hooks that copy to the host after the forward and prefetch one block ahead of the backward, or that
+store nothing and run the op that made the unit again when the backward unpacks it), or recompute the
 branch (non-reentrant `torch.utils.checkpoint`) caching the op units the plan names (selective
 activation checkpointing). Numerics are unchanged: the same ops run on the same values.
 
@@ -28,7 +29,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from hetforge.memory.plan import ALL, BRANCHES, Decision, Plan, resolve_option
-from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes, view_key
+from hetforge.memory.units import (Labeller, is_view_op, rebuild_fn, rebuilds, remade_by_op, storage_key, tensor_bytes,
+                                   view_key)
 from hetforge.model.gpt_neox import Blocks
 
 
@@ -91,14 +93,35 @@ class _HostCopy:
         return self.tensor
 
 
+@dataclass
+class _Remake:
+    """How a rebuilt saved tensor is made again: the op that made it, applied to its source (held as
+    the source's own `_Saved`, so an offloaded source comes back from the host as usual), in the
+    forward's autocast state, cast to the dtype that was saved and laid out as the saved view."""
+
+    source: "_Saved"
+    fn: object
+    dtype: torch.dtype
+    shape: tuple
+    stride: tuple
+    offset: int
+    autocast: tuple  # (device type, enabled, dtype)
+
+    def make(self, source: torch.Tensor) -> torch.Tensor:
+        device_type, enabled, dtype = self.autocast
+        with torch.no_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            out = self.fn(source)
+        return out.to(self.dtype).contiguous().as_strided(self.shape, self.stride, self.offset)
+
+
 class _Saved:
     """What autograd stores instead of a tensor; its release (end of that node's backward) is what
     frees the bytes in the ledger."""
 
-    __slots__ = ("ledger", "key", "hkey", "tensor", "copy", "__weakref__")
+    __slots__ = ("ledger", "key", "hkey", "tensor", "copy", "remake", "__weakref__")
 
     def __init__(self, ledger: "ActivationLedger"):
-        self.ledger, self.key, self.hkey, self.tensor, self.copy = ledger, None, None, None, None
+        self.ledger, self.key, self.hkey, self.tensor, self.copy, self.remake = ledger, None, None, None, None, None
 
     def __del__(self):
         try:
@@ -184,6 +207,11 @@ class _BlockState:
         self.copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.alive: list[torch.Tensor] = []
         self.cached: list[int] = []
+        # per unit, its latest save in a kept branch (a rebuild's source); weak, or it would hold the
+        # tensor past the backward that releases it
+        self.last: dict[str, weakref.ref] = {}
+        self.block: torch.nn.Module | None = None
+        self.autocast: tuple = ("cpu", False, torch.bfloat16)  # the forward's (device type, enabled, dtype)
 
 
 class PlanRunner:
@@ -196,6 +224,7 @@ class PlanRunner:
         self.labeller = Labeller()
         users = input_users(parallel_residual)
         self.decisions: list[Decision] = [resolve_option(o, users) for o in plan.options]
+        self.rebuilds = rebuilds(parallel_residual)
         self.segments = {s: e for s, e in (plan.segments or [])}
         self.copy_stream = None
         self._branch = None  # (block, branch name, mode) while a branch runs
@@ -226,6 +255,13 @@ class PlanRunner:
             self.ledger.tensors.append({"unit": unit, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                                         "key": key, "bytes": t.untyped_storage().nbytes(), "view": view_key(t),
                                         "view_bytes": tensor_bytes(t)})
+        if mode == "keep" and block not in self._in_segment:
+            if not offload and unit in d.branch(branch).rebuilt:
+                s.remake = self._remake(st, unit, t)
+                if s.remake is not None:
+                    st.alive.append(t)  # its address must not change hands before the forward ends
+                    return s
+            st.last[unit] = weakref.ref(s)
         if offload:
             vk = view_key(t)
             copy = st.copies.get(vk)
@@ -244,8 +280,27 @@ class PlanRunner:
     def _unpack(self, s: _Saved) -> torch.Tensor:
         if s.tensor is not None:
             return s.tensor
+        if s.remake is not None:
+            return s.remake.make(self._unpack(s.remake.source))
         s.copy.fetch(self._stream(s.copy.device))
         return s.copy.get()
+
+    def _remake(self, st: _BlockState, unit: str, t: torch.Tensor) -> _Remake | None:
+        """How to make `t` again from its source unit's save in this branch; None (it is kept) where
+        the source was not saved or its size does not give `t`'s storage."""
+        rb = self.rebuilds.get(unit)
+        ref = st.last.get(rb.source) if rb else None
+        source = ref() if ref is not None else None
+        if source is None:
+            return None
+        like = source.tensor if source.tensor is not None else source.copy
+        if like is None or not remade_by_op(tuple(t.shape), tuple(t.stride()), t.untyped_storage().nbytes(),
+                                            t.element_size(), tuple(like.shape)):
+            return None
+        fn = rebuild_fn(st.block, rb)
+        if isinstance(fn, torch.nn.Module):
+            fn = fn.forward  # not its hooks (a label, a simulated slowdown): they belong to the forward
+        return _Remake(source, fn, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), st.autocast)
 
     def _stream(self, device: torch.device):
         if device.type != "cuda":
@@ -306,6 +361,10 @@ class PlanRunner:
     def _block(self, layers, i: int, x, cos, sin):
         st = self._state[i] = _BlockState()
         st.inputs[storage_key(x)] = "x"
+        st.block = layers[i]
+        # read here: inside an op (where the saved-tensor hooks run) autocast reads as off
+        dev = x.device.type
+        st.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         d = self.decisions[i]
         if x.requires_grad and any(d.branch(b).mode == "recompute" and d.branch(b).units for b in BRANCHES):
             # the gradient of the block's input is complete once the block's backward is done
@@ -317,8 +376,9 @@ class PlanRunner:
     def _hooked(self, i: int) -> bool:
         """Whether block i runs under the saved-tensor hooks: to offload, or to count its bytes."""
         d = self.decisions[i]
-        offloads = d.offload_inputs or any(d.branch(b).mode == "keep" and d.branch(b).units for b in BRANCHES)
-        return self.measure or bool(offloads)
+        hooked = d.offload_inputs or any(d.branch(b).mode == "keep" and (d.branch(b).units or d.branch(b).rebuilt)
+                                         for b in BRANCHES)
+        return self.measure or bool(hooked)
 
     def __call__(self, layers, x, cos, sin):
         self._state = {}
@@ -365,7 +425,7 @@ def per_op_decisions(bp) -> bool:
     v of one projection), which only the whole buffer could bring back at the strides its backward
     checks. Such a branch runs eager. Keeping a branch, recomputing it whole and offloading the
     block's input need no op's name and run compiled where the model is (`train.compile`)."""
-    return bool(bp.units)
+    return bool(bp.units or bp.rebuilt)
 
 
 def eager(fn):

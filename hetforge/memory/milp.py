@@ -38,14 +38,15 @@ class PlanError(HetforgeError, ValueError):
 
 class TensorMenu:
     """Granularity "tensor": per branch keep or recompute; in a kept branch each saved unit on the
-    device or offloaded, in a recomputed one each op unit cached or recomputed; inputs offloadable.
-    `offload=False` is Checkmate's problem (recomputation only)."""
+    device, offloaded or (where the profile prices it) rebuilt in the backward, in a recomputed one
+    each op unit cached or recomputed; inputs offloadable. `offload=False` is Checkmate's problem
+    (recomputation only, rebuilding included: it is recomputation of one op)."""
 
-    def __init__(self, offload: bool = True):
-        self.offload = offload
+    def __init__(self, offload: bool = True, rebuild: bool = True):
+        self.offload, self.rebuild = offload, rebuild
 
     def __repr__(self) -> str:
-        return f"TensorMenu(offload={self.offload})"
+        return f"TensorMenu(offload={self.offload}, rebuild={self.rebuild})"
 
     def decisions(self, blk: BlockProfile) -> list[str]:
         """Every distinct decision of one block (for brute force and the minimum-peak search)."""
@@ -54,8 +55,12 @@ class TensorMenu:
 
         per_branch = {}
         for br in BRANCHES:
-            keep = [BranchPlan("keep", u) for u in
-                    (subsets([u.name for u in blk.of("saved", br)]) if self.offload else [frozenset()])]
+            saved = [u.name for u in blk.of("saved", br)]
+            movable = saved if self.offload else []
+            makeable = [u for u in saved if u in blk.rebuildable] if self.rebuild else []
+            # each saved unit kept, offloaded or rebuilt (never both)
+            keep = [BranchPlan("keep", off, made) for off in subsets(movable) for made in subsets(makeable)
+                    if not off & made]
             rec = [BranchPlan("recompute", u) for u in subsets([u.name for u in blk.of("op", br)])]
             per_branch[br] = keep + rec
         out = []
@@ -105,16 +110,20 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
     (offload), and a continuous "input on the device" bounded below by every branch that needs it.
     The own peaks depend on both branch modes: `both` is their product, made exact by three rows."""
     r = {br: h.addBinary() for br in BRANCHES}
-    off, cache, ins, sels = {}, {}, {}, {}
+    off, made, cache, ins, sels = {}, {}, {}, {}, {}
     held, host, rec, cached = 0.0, 0.0, 0.0, 0.0
     for u in blk.of("saved"):
+        held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch])
         if menu.offload:
             o = off[u.name] = h.addBinary()
             h.addConstr(o + r[u.branch] <= 1)
-            held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch]) - _c(u.bytes / MIB, o)
+            held = held - _c(u.bytes / MIB, o)
             host = host + _c(u.host_bytes / MIB, o)
-        else:
-            held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch])
+        if menu.rebuild and u.name in blk.rebuildable:
+            m = made[u.name] = h.addBinary()  # rebuilt in the backward: not held, its op paid again
+            h.addConstr(m + r[u.branch] + (off[u.name] if u.name in off else 0.0) <= 1)
+            held = held - _c(u.rebuild_bytes / MIB, m)
+            rec = rec + _c(u.time_s * MS, m)
     for br in BRANCHES:
         # A recomputed branch costs its plain checkpoint; caching any op unit switches it to selective
         # checkpointing (`sac`: fixed cost, then each cached unit saves its time).
@@ -174,7 +183,8 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             if h.val(r[br]) > 0.5:
                 plans[br] = BranchPlan("recompute", frozenset(k for k in chosen(cache) if k.startswith(br + ".")))
             else:
-                plans[br] = BranchPlan("keep", frozenset(k for k in chosen(off) if k.startswith(br + ".")))
+                plans[br] = BranchPlan("keep", frozenset(k for k in chosen(off) if k.startswith(br + ".")),
+                                       frozenset(k for k in chosen(made) if k.startswith(br + ".")))
         return blk.name(Decision(plans["attn"], plans["mlp"], chosen(ins)))
 
     def assign(option: str) -> list:
@@ -185,8 +195,11 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             bp = d.branch(br)
             vals.append((r[br], float(bp.mode == "recompute")))
             for u in blk.of("saved", br):
+                offloaded = bp.mode == "keep" and (ALL in bp.units or u.name in bp.units)
                 if u.name in off:
-                    vals.append((off[u.name], float(bp.mode == "keep" and (ALL in bp.units or u.name in bp.units))))
+                    vals.append((off[u.name], float(offloaded)))
+                if u.name in made:
+                    vals.append((made[u.name], float(bp.mode == "keep" and not offloaded and u.name in bp.rebuilt)))
             for v in blk.of("op", br):
                 vals.append((cache[v.name], float(bp.mode == "recompute" and v.name in bp.units)))
         keepers = {br for br in BRANCHES if d.branch(br).mode == "keep"}

@@ -52,8 +52,11 @@ class Unit:
     kind: str  # "saved" | "op" | "input"
     bytes: float  # device bytes while it is held
     host_bytes: float = 0.0  # saved / input units: bytes copied to the host when offloaded
-    time_s: float = 0.0  # op units: forward time of its ops, i.e. what recomputing them costs
+    time_s: float = 0.0  # op units: forward time of its ops, i.e. what recomputing them costs;
+    # rebuildable saved units: what rebuilding it in the backward adds to the step
     users: tuple[str, ...] = ()  # input units: the branches that save it or hold it
+    rebuild_from: str = ""  # saved units a kept branch can rebuild: the unit it is made from
+    rebuild_bytes: float = 0.0  # and the device bytes rebuilding frees (a weight's cast in it stays)
 
     @property
     def branch(self) -> str:
@@ -64,6 +67,7 @@ class Unit:
 class BranchPlan:
     mode: str  # "keep" (saved units kept or offloaded) | "recompute" (op units cached or recomputed)
     units: frozenset = frozenset()  # keep: the saved units offloaded; recompute: the op units cached
+    rebuilt: frozenset = frozenset()  # keep: the saved units rebuilt in the backward (`units.REBUILDS`)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,9 @@ class Decision:
             bp = self.branch(br)
             names = sorted(u.split(".", 1)[1] if "." in u else u for u in bp.units)
             verb = "offload" if bp.mode == "keep" else "cache"
-            parts.append(f"{br}:{bp.mode}" + (f"-{verb}[{','.join(names)}]" if names else ""))
+            rebuilt = sorted(u.split(".", 1)[1] for u in bp.rebuilt)
+            parts.append(f"{br}:{bp.mode}" + (f"-{verb}[{','.join(names)}]" if names else "")
+                         + (f"-rebuild[{','.join(rebuilt)}]" if rebuilt else ""))
         if self.offload_inputs:
             parts.append(f"offload[{','.join(sorted(self.offload_inputs))}]")
         return " | ".join(parts)
@@ -92,11 +98,14 @@ class Decision:
     def parse(cls, text: str) -> "Decision":
         branches, inputs = {}, frozenset()
         for part in text.split(" | "):
-            m = re.fullmatch(r"(attn|mlp):(keep|recompute)(?:-(?:offload|cache)\[([^\]]*)\])?", part.strip())
+            m = re.fullmatch(r"(attn|mlp):(keep|recompute)(?:-(?:offload|cache)\[([^\]]*)\])?(?:-rebuild\[([^\]]*)\])?",
+                             part.strip())
             if m:
-                br, mode, names = m.groups()
+                br, mode, names, rebuilt = m.groups()
+                if rebuilt and mode != "keep":
+                    raise ValueError(f"block decision {text!r}: only a kept branch rebuilds units")
                 units = frozenset(n if n == ALL else f"{br}.{n}" for n in (names or "").split(",") if n)
-                branches[br] = BranchPlan(mode, units)
+                branches[br] = BranchPlan(mode, units, frozenset(f"{br}.{n}" for n in (rebuilt or "").split(",") if n))
                 continue
             m = re.fullmatch(r"offload\[([^\]]*)\]", part.strip())
             if not m:
@@ -181,7 +190,8 @@ class BlockProfile:
             bp = d.branch(br)
             if bp.mode == "keep":
                 names = {u.name for u in self.of("saved", br)}
-                out.append(("keep", frozenset(names if ALL in bp.units else bp.units & names)))
+                off = frozenset(names if ALL in bp.units else bp.units & names)
+                out.append(("keep", off, frozenset(n for n in bp.rebuilt if n in self.rebuildable) - off))
             else:
                 out.append(("recompute", frozenset(bp.units & {u.name for u in self.of("op", br)})))
         keepers = {b for b in BRANCHES if d.branch(b).mode == "keep"}
@@ -200,6 +210,11 @@ class BlockProfile:
             return 0.0
         return both["plain"] - sum(self.recompute[br]["plain"] for br in BRANCHES)
 
+    @property
+    def rebuildable(self) -> dict[str, "Unit"]:
+        """Saved units a kept branch can rebuild, by name; a profile without their price has none."""
+        return {u.name: u for u in self.of("saved") if u.rebuild_from}
+
     def cost(self, option: str) -> OptionCost:
         c = self._costs.get(option)
         if c is None:
@@ -215,6 +230,9 @@ class BlockProfile:
                 for u in self.of("saved", br):
                     if ALL in bp.units or u.name in bp.units:
                         host += u.host_bytes
+                    elif u.name in bp.rebuilt and u.rebuild_from:
+                        rec += u.time_s  # made again in the backward; the backward peak is keep's at most
+                        held += u.bytes - u.rebuild_bytes
                     else:
                         held += u.bytes
             else:

@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,12 +39,12 @@ from hetforge.memory.executor import ActivationLedger, PlanRunner, input_users, 
 from hetforge.memory.measure import PeakMeter
 from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
                                   resolve_option)
-from hetforge.memory.units import Labeller, is_view_op, storage_key, tensor_bytes
+from hetforge.memory.units import Labeller, is_view_op, rebuilds, remade_by_op, storage_key, tensor_bytes
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 12
+PROFILE_VERSION = 13
 
 
 def _sync(device: torch.device) -> None:
@@ -207,19 +208,30 @@ class Fp32Matmul(TorchDispatchMode):
         return out
 
 
-def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]]) -> list[Unit]:
+def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]], remake: dict | None = None) -> list[Unit]:
     """Saved and input units from one recorded keep-all forward: device bytes per storage, host
-    bytes per distinct view (what offloading copies)."""
+    bytes per distinct view (what offloading copies), and for a rebuildable unit the bytes that
+    rebuilding frees (its tensors the op makes, judged as the executor judges them: against the
+    source unit's latest save; a weight's autocast cast in the unit stays)."""
     dev: dict[str, dict] = {}
     host: dict[str, dict] = {}
+    made: dict[str, dict] = {}
+    last_shape: dict[str, tuple] = {}
     for r in tensors:
         dev.setdefault(r["unit"], {})[r["key"]] = r["bytes"]
         host.setdefault(r["unit"], {})[tuple(r["view"])] = r["view_bytes"]
+        rb = (remake or {}).get(r["unit"])
+        if rb is not None and rb.source in last_shape:
+            _, _, shape, stride, dtype = r["view"]
+            if remade_by_op(tuple(shape), tuple(stride), r["bytes"], dtype.itemsize, last_shape[rb.source]):
+                made.setdefault(r["unit"], {})[r["key"]] = r["bytes"]
+                continue
+        last_shape[r["unit"]] = tuple(r["shape"])
     out = []
     for name in dev:
         kind = "input" if name in users else "saved"
         out.append(Unit(name, kind, float(sum(dev[name].values())), float(sum(host[name].values())),
-                        users=users.get(name, ())))
+                        users=users.get(name, ()), rebuild_bytes=float(sum(made.get(name, {}).values()))))
     return out
 
 
@@ -264,7 +276,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         d = resolve_option(o, users)
         peaks[f"{d.attn.mode}/{d.mlp.mode}"] = [fwd, bwd]
         if o == "keep":
-            units = _saved_units(saved, users)
+            units = _saved_units(saved, users, rebuilds(cfg.parallel_residual))
             tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
 
     # Op units: what each op group produces, and its share of its branch's forward time.
@@ -300,6 +312,17 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
     variants["both/plain"] = Decision(BranchPlan("recompute"), BranchPlan("recompute")).encode()
+    # Rebuilding: per branch, the step's extra time when the kept branch rebuilds every unit it can
+    # (under the saved-tensor hooks it needs, which keep-all runs without); the producers' op times
+    # split it.
+    remade = {n: rb for n, rb in rebuilds(cfg.parallel_residual).items()
+              if any(u.name == n and u.kind == "saved" and u.rebuild_bytes > 0 for u in units)}
+    for br in BRANCHES:
+        names = frozenset(n for n in remade if n.startswith(br + "."))
+        if names:
+            bp = BranchPlan("keep", frozenset(), names)
+            variants[f"{br}/rebuild"] = (Decision(bp, BranchPlan("keep")) if br == "attn"
+                                         else Decision(BranchPlan("keep"), bp)).encode()
     # per copy in the timing chain: its weights and gradients, and what its forward saves
     saved = sum(u.bytes for u in units if u.kind in ("saved", "input"))
     copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved
@@ -317,6 +340,18 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for n in names:
             units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=(sac - sac_all) * weights[n] / total))
     recompute["both"] = {"plain": max(0.0, extra["both/plain"])}
+    for br in BRANCHES:
+        if f"{br}/rebuild" not in extra:
+            continue
+        price = max(0.0, extra[f"{br}/rebuild"])
+        recompute[br]["rebuild"] = price
+        names = [n for n in remade if n.startswith(br + ".")]
+        weights = {n: statistics.median(c.time.get(remade[n].op_unit, 0.0) for c in clocks) for n in names}
+        total = sum(weights.values())
+        for k, u in enumerate(units):
+            if u.name in weights:
+                share = weights[u.name] / total if total > 0 else 1.0 / len(names)
+                units[k] = replace(u, time_s=price * share, rebuild_from=remade[u.name].source)
 
     return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth)
 

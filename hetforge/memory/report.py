@@ -46,15 +46,16 @@ def tensors_table(profile: ModelProfile) -> Table:
 
 
 def units_table(profile: ModelProfile) -> Table:
-    """What a tensor-level plan decides on, per block: saved units (keep or offload) and op units
-    (cache or recompute, in a recomputed branch)."""
-    t = Table(title="units of one block: saved (keep / offload) and op outputs (cache / recompute)")
-    for col in ("unit", "kind", "what", "device bytes", "host bytes", "recompute ms"):
-        t.add_column(col, justify="left" if col in ("unit", "kind", "what") else "right")
+    """What a tensor-level plan decides on, per block: saved units (keep, offload, or rebuild from
+    another unit) and op units (cache or recompute, in a recomputed branch)."""
+    t = Table(title="units of one block: saved (keep / offload / rebuild) and op outputs (cache / recompute)")
+    for col in ("unit", "kind", "what", "device bytes", "host bytes", "recompute ms", "rebuilt from"):
+        t.add_column(col, justify="left" if col in ("unit", "kind", "what", "rebuilt from") else "right")
     for u in profile.blocks[0].units:
         t.add_row(u.name, u.kind, DESCRIPTIONS.get(u.name, ""), format_bytes(u.bytes),
                   format_bytes(u.host_bytes) if u.kind != "op" else "",
-                  f"{u.time_s * 1e3:.3f}" if u.kind == "op" else "")
+                  f"{u.time_s * 1e3:.3f}" if u.kind == "op" or u.rebuild_from else "",
+                  f"{u.rebuild_from} (frees {format_bytes(u.rebuild_bytes)})" if u.rebuild_from else "")
     return t
 
 

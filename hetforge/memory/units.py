@@ -12,11 +12,20 @@ A block's activations are seen two ways, and a plan needs both names:
 The block input is a unit of its own (`x`), shared by both branches of a parallel-residual block;
 with a sequential residual the MLP's input is another (`mlp.input`).
 
+Some saved units are the output of one cheap op applied to another unit the branch saves anyway:
+the layer norms' outputs (from the block input) and the GELU's output (from the MLP hidden, which
+the GELU's own backward saves). A kept branch may **rebuild** them: the saved-tensor hook stores
+nothing for them and runs that op again when the backward unpacks them (`REBUILDS`). That frees
+their bytes for an elementwise op, without re-running the branch under a checkpoint.
+
 `Labeller` tracks which piece of a block is running, from forward hooks on the block's modules,
 so the executor and the profiler name every saved tensor and every op the same way.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +73,46 @@ DESCRIPTIONS = {
     "mlp.up": "up-projection output (hidden)",
     "mlp.gelu": "GELU output",
 }
+
+@dataclass(frozen=True)
+class Rebuild:
+    """A saved unit that one op makes again from a unit the branch saves anyway."""
+
+    source: str  # the saved or input unit it is made from
+    op_unit: str  # the op unit that made it in the forward (its time shares out the measured price)
+    module: str  # the Block's submodule (or bound method) that makes it
+
+
+def rebuilds(parallel_residual: bool) -> dict[str, Rebuild]:
+    """The rebuildable saved units of a block: with a sequential residual the MLP's norm reads the
+    MLP's own input."""
+    mlp_in = "x" if parallel_residual else "mlp.input"
+    return {
+        "attn.norm-out": Rebuild("x", "attn.norm", "input_layernorm"),
+        "mlp.norm-out": Rebuild(mlp_in, "mlp.norm", "post_attention_layernorm"),
+        "mlp.gelu-out": Rebuild("mlp.hidden", "mlp.gelu", "mlp.activation"),
+    }
+
+
+def rebuild_fn(block: torch.nn.Module, rebuild: Rebuild):
+    """The callable that made the unit in `block`'s forward."""
+    owner, _, attr = rebuild.module.rpartition(".")
+    return getattr(block.get_submodule(owner) if owner else block, attr)
+
+
+def remade_by_op(shape: tuple, stride: tuple, storage_bytes: int, element_size: int, source_shape: tuple) -> bool:
+    """Whether a saved tensor is the rebuilding op's output (or its autocast cast), made from a
+    source of `source_shape`: the source's size and last dimension, dense and contiguous. A weight's
+    cast that the same matmul saved is its transpose, not contiguous, and its last dimension is the
+    layer's output size; it stays kept. The executor and the profile decide by this one test."""
+    contiguous, expected = True, 1
+    for size, st in reversed(list(zip(shape, stride))):
+        if size != 1 and st != expected:
+            contiguous = False
+        expected *= size
+    return (contiguous and tuple(source_shape[-1:]) == tuple(shape[-1:])
+            and math.prod(source_shape) * element_size == storage_bytes)
+
 
 # Ops under these labels end their branch: early-stopping recomputation never reaches them and the
 # backward needs none of their outputs, so caching them would only cost memory.
