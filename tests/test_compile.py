@@ -3,6 +3,7 @@ whether a memory plan is active."""
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from hetforge.core.metrics import read_metrics
 from hetforge.train.loop import train
@@ -41,10 +42,11 @@ def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gr
     from hetforge.model.gpt_neox import GPTNeoX
 
     users = input_users(True)
+    rebuilt = "attn:keep | mlp:keep-rebuild[gelu-out]"
     routes = {o: [per_op_decisions(resolve_option(o, users).branch(b)) for b in ("attn", "mlp")]
-              for o in ["keep", "recompute", "offload", "recompute-mlp"] + MIXED[:1]}
+              for o in ["keep", "recompute", "offload", "recompute-mlp", rebuilt] + MIXED[:1]}
     assert routes == {"keep": [False, False], "recompute": [False, False], "offload": [True, True],
-                      "recompute-mlp": [False, False], MIXED[0]: [True, True]}
+                      "recompute-mlp": [False, False], rebuilt: [False, True], MIXED[0]: [True, True]}
 
     torch.manual_seed(0)
     cfg = _cfg(True)
@@ -61,9 +63,10 @@ def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gr
                 calls["eager"] += 1
                 return _f(*a)
             getattr(block, name)._torchdynamo_orig_callable = counted
-    plans = [Plan([o] * cfg.n_layers) for o in list(OPTIONS) + MIXED[:2]]
+    plans = [Plan([o] * cfg.n_layers) for o in list(OPTIONS) + MIXED[:2] + [rebuilt]]
     plans.append(Plan(["keep"] * cfg.n_layers, segments=sqrt_segments(cfg.n_layers)))
     plans.append(Plan(["attn:keep | mlp:recompute | offload[x]"] * cfg.n_layers))  # the block input offloaded, branches compiled
+    counters.clear()
     for plan in plans:
         calls["eager"] = 0
         runner = apply_plan(model, plan)
@@ -74,4 +77,7 @@ def test_plans_run_compiled_branches_where_no_op_is_chosen_and_give_the_eager_gr
         d = resolve_option(plan.options[0], users)
         per_op = any(per_op_decisions(d.branch(b)) for b in ("attn", "mlp"))
         assert (calls["eager"] > 0) == per_op, (plan.options[0], calls)
+    # the runner's module hooks (labels, what the head merge read) run inside the compiled
+    # branches without breaking their graphs
+    assert not counters["graph_break"], dict(counters["graph_break"])
     apply_plan(model, None)

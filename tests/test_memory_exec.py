@@ -18,7 +18,7 @@ from hetforge.memory.measure import PeakMeter
 from hetforge.memory.milp import menu_for, minimum_budget, solve
 from hetforge.memory.plan import OPTIONS, Plan, simulate, sqrt_segments
 from hetforge.memory.profile import free_memory_bytes, profile_block, profile_model, timing_depth
-from hetforge.model.gpt_neox import Block, GPTNeoX, GPTNeoXConfig
+from hetforge.model.gpt_neox import Block, GPTNeoX, GPTNeoXConfig, set_head_padding
 from hetforge.train.loop import train
 from hetforge.core.metrics import read_metrics
 
@@ -27,8 +27,8 @@ MIXED = [
     "attn:keep-offload[core,merged] | mlp:recompute-cache[up] | offload[x]",
     "attn:recompute-cache[rope] | mlp:recompute-cache[gelu,norm]",
     # rebuilt in the backward: from sources kept, and from sources offloaded to the host
-    "attn:keep-rebuild[norm-out] | mlp:keep-rebuild[gelu-out,norm-out]",
-    "attn:keep-offload[core]-rebuild[norm-out] | mlp:keep-offload[hidden]-rebuild[gelu-out,norm-out] | offload[x]",
+    "attn:keep-rebuild[merged,norm-out] | mlp:keep-rebuild[gelu-out,norm-out]",
+    "attn:keep-offload[core]-rebuild[merged,norm-out] | mlp:keep-offload[hidden]-rebuild[gelu-out,norm-out] | offload[x]",
     "attn:recompute | mlp:keep-rebuild[gelu-out]",
 ]
 
@@ -98,15 +98,15 @@ def test_saved_bytes_and_peaks_match_the_prediction(parallel):
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_kept_branch_rebuilds_its_cheap_units_in_the_backward(autocast):
-    """The layer norms' and the GELU's outputs, rebuilt: the same gradients bit for bit, and not
-    held from forward to backward: the ledger holds less by exactly what the profile says rebuilding
-    frees. Under a bf16 autocast what a matmul saved is a cast of the norm's fp32 output, rebuilt
-    as such, beside the weight's cast, which stays."""
+    """The layer norms', the GELU's and the head merge's outputs, rebuilt: the same gradients bit
+    for bit, and not held from forward to backward: the ledger holds less by exactly what the
+    profile says rebuilding frees. Under a bf16 autocast what a matmul saved is a cast of the norm's
+    fp32 output, rebuilt as such, beside the weight's cast, which stays."""
     torch.manual_seed(0)
     cfg = _cfg(True, n_layers=2)
     model = GPTNeoX(cfg)
     idx = torch.randint(0, cfg.vocab_size, (3, 33))
-    rebuilt = "attn:keep-rebuild[norm-out] | mlp:keep-rebuild[gelu-out,norm-out]"
+    rebuilt = "attn:keep-rebuild[merged,norm-out] | mlp:keep-rebuild[gelu-out,norm-out]"
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -122,15 +122,37 @@ def test_a_kept_branch_rebuilds_its_cheap_units_in_the_backward(autocast):
     assert all(torch.equal(a, b) for a, b in zip(grads, ref))
     blk = profile_block(cfg, 3, 32, "bf16" if autocast else "fp32", torch.device("cpu"), repeats=1)
     units = {u.name: u for u in blk.units if u.rebuild_from}
-    assert set(units) == {"attn.norm-out", "mlp.norm-out", "mlp.gelu-out"}
+    assert set(units) == {"attn.norm-out", "mlp.norm-out", "mlp.gelu-out", "attn.merged"}
     assert units["mlp.gelu-out"].rebuild_from == "mlp.hidden" and units["attn.norm-out"].rebuild_from == "x"
+    assert units["attn.merged"].rebuild_from == "attn.core"
     frees = sum(u.rebuild_bytes for u in units.values())
     assert frees > 0 and held["keep"] - held[rebuilt] == cfg.n_layers * frees
     if autocast:  # the weights' casts stay
         assert all(u.rebuild_bytes < u.bytes for u in units.values())
     else:
         assert all(u.rebuild_bytes == u.bytes for u in units.values())
-    assert blk.recompute["mlp"]["rebuild"] >= 0.0
+    assert blk.recompute["mlp"]["rebuild"] >= 0.0 and blk.recompute["attn"]["rebuild"] >= 0.0
+
+
+def test_a_merge_of_a_padded_attention_output_is_kept():
+    """With the head padded, SDPA saves the padded output and the merge reads a slice of it: no
+    saved tensor is what the merge read, so the merged copy stays kept (nothing is made from the
+    wrong tensor) and the gradients are unchanged."""
+    torch.manual_seed(0)
+    cfg = _cfg(True, n_layers=1)
+    model = GPTNeoX(cfg)
+    set_head_padding(model, cfg.head_dim + 8)
+    idx = torch.randint(0, cfg.vocab_size, (2, 33))
+    held = {}
+    for option in ("keep", "attn:keep-rebuild[merged] | mlp:keep", "attn:keep-rebuild[norm-out] | mlp:keep"):
+        runner = apply_plan(model, Plan([option]))
+        grads, _ = _step(model, idx)
+        held[option] = runner.ledger.peak_device
+        ref = grads if option == "keep" else ref
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref)), option
+    apply_plan(model, None)
+    assert held["attn:keep-rebuild[merged] | mlp:keep"] == held["keep"]
+    assert held["attn:keep-rebuild[norm-out] | mlp:keep"] < held["keep"]
 
 
 def test_the_profile_times_distinct_copies_of_the_block_and_frees_them():

@@ -210,6 +210,7 @@ class _BlockState:
         # per unit, its latest save in a kept branch (a rebuild's source); weak, or it would hold the
         # tensor past the backward that releases it
         self.last: dict[str, weakref.ref] = {}
+        self.views: dict[tuple, weakref.ref] = {}  # saves of a unit that a rebuild finds by the view a module read
         self.block: torch.nn.Module | None = None
         self.autocast: tuple = ("cpu", False, torch.bfloat16)  # the forward's (device type, enabled, dtype)
 
@@ -225,6 +226,7 @@ class PlanRunner:
         users = input_users(parallel_residual)
         self.decisions: list[Decision] = [resolve_option(o, users) for o in plan.options]
         self.rebuilds = rebuilds(parallel_residual)
+        self._by_view = {rb.source for rb in self.rebuilds.values() if rb.by_input}
         self.segments = {s: e for s, e in (plan.segments or [])}
         self.copy_stream = None
         self._branch = None  # (block, branch name, mode) while a branch runs
@@ -260,8 +262,12 @@ class PlanRunner:
                 s.remake = self._remake(st, unit, t)
                 if s.remake is not None:
                     st.alive.append(t)  # its address must not change hands before the forward ends
+                    if self.ledger.record:
+                        self.ledger.tensors[-1]["rebuilt"] = True
                     return s
             st.last[unit] = weakref.ref(s)
+            if unit in self._by_view:
+                st.views[view_key(t)] = st.last[unit]
         if offload:
             vk = view_key(t)
             copy = st.copies.get(vk)
@@ -289,13 +295,15 @@ class PlanRunner:
         """How to make `t` again from its source unit's save in this branch; None (it is kept) where
         the source was not saved or its size does not give `t`'s storage."""
         rb = self.rebuilds.get(unit)
-        ref = st.last.get(rb.source) if rb else None
+        if rb is None:
+            return None
+        ref = st.views.get(self.labeller.read.get(rb.module)) if rb.by_input else st.last.get(rb.source)
         source = ref() if ref is not None else None
         if source is None:
             return None
         like = source.tensor if source.tensor is not None else source.copy
         if like is None or not remade_by_op(tuple(t.shape), tuple(t.stride()), t.untyped_storage().nbytes(),
-                                            t.element_size(), tuple(like.shape)):
+                                            t.element_size(), tuple(like.shape), rb.same_last_dim):
             return None
         fn = rebuild_fn(st.block, rb)
         if isinstance(fn, torch.nn.Module):

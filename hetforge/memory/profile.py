@@ -39,7 +39,7 @@ from hetforge.memory.executor import ActivationLedger, PlanRunner, input_users, 
 from hetforge.memory.measure import PeakMeter
 from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
                                   resolve_option)
-from hetforge.memory.units import Labeller, is_view_op, rebuilds, remade_by_op, storage_key, tensor_bytes
+from hetforge.memory.units import Labeller, is_view_op, rebuilds, storage_key, tensor_bytes
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
@@ -208,25 +208,20 @@ class Fp32Matmul(TorchDispatchMode):
         return out
 
 
-def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]], remake: dict | None = None) -> list[Unit]:
+def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]], rebuilt: list[dict]) -> list[Unit]:
     """Saved and input units from one recorded keep-all forward: device bytes per storage, host
-    bytes per distinct view (what offloading copies), and for a rebuildable unit the bytes that
-    rebuilding frees (its tensors the op makes, judged as the executor judges them: against the
-    source unit's latest save; a weight's autocast cast in the unit stays)."""
+    bytes per distinct view (what offloading copies); and for a rebuildable unit the bytes that
+    rebuilding frees, from a recorded forward that rebuilds every unit it can (the executor's own
+    judgement: a weight's autocast cast in the unit, or a source the kernel did not save, stays)."""
     dev: dict[str, dict] = {}
     host: dict[str, dict] = {}
     made: dict[str, dict] = {}
-    last_shape: dict[str, tuple] = {}
     for r in tensors:
         dev.setdefault(r["unit"], {})[r["key"]] = r["bytes"]
         host.setdefault(r["unit"], {})[tuple(r["view"])] = r["view_bytes"]
-        rb = (remake or {}).get(r["unit"])
-        if rb is not None and rb.source in last_shape:
-            _, _, shape, stride, dtype = r["view"]
-            if remade_by_op(tuple(shape), tuple(stride), r["bytes"], dtype.itemsize, last_shape[rb.source]):
-                made.setdefault(r["unit"], {})[r["key"]] = r["bytes"]
-                continue
-        last_shape[r["unit"]] = tuple(r["shape"])
+    for r in rebuilt:
+        if r.get("rebuilt"):
+            made.setdefault(r["unit"], {})[r["key"]] = r["bytes"]
     out = []
     for name in dev:
         kind = "input" if name in users else "saved"
@@ -276,8 +271,12 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         d = resolve_option(o, users)
         peaks[f"{d.attn.mode}/{d.mlp.mode}"] = [fwd, bwd]
         if o == "keep":
-            units = _saved_units(saved, users, rebuilds(cfg.parallel_residual))
+            kept = saved
             tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
+    every = {br: frozenset(n for n in rebuilds(cfg.parallel_residual) if n.startswith(br + ".")) for br in BRANCHES}
+    _, _, rebuilt = run(Decision(BranchPlan("keep", frozenset(), every["attn"]),
+                                 BranchPlan("keep", frozenset(), every["mlp"])).encode(), record=True)
+    units = _saved_units(kept, users, rebuilt)
 
     # Op units: what each op group produces, and its share of its branch's forward time.
     def branch_fwd(name):

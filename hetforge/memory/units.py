@@ -13,8 +13,10 @@ The block input is a unit of its own (`x`), shared by both branches of a paralle
 with a sequential residual the MLP's input is another (`mlp.input`).
 
 Some saved units are the output of one cheap op applied to another unit the branch saves anyway:
-the layer norms' outputs (from the block input) and the GELU's output (from the MLP hidden, which
-the GELU's own backward saves). A kept branch may **rebuild** them: the saved-tensor hook stores
+the layer norms' outputs (from the block input), the GELU's output (from the MLP hidden, which
+the GELU's own backward saves) and the merged heads (from the attention output, which SDPA's
+backward saves; where the kernel does not save it, the math fallback, or saves it padded, the
+merged copy is kept). A kept branch may **rebuild** them: the saved-tensor hook stores
 nothing for them and runs that op again when the backward unpacks them (`REBUILDS`). That frees
 their bytes for an elementwise op, without re-running the branch under a checkpoint.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -78,9 +81,11 @@ DESCRIPTIONS = {
 class Rebuild:
     """A saved unit that one op makes again from a unit the branch saves anyway."""
 
-    source: str  # the saved or input unit it is made from
+    source: str  # the saved or input unit it is made from: its latest save before this one ...
     op_unit: str  # the op unit that made it in the forward (its time shares out the measured price)
     module: str  # the Block's submodule (or bound method) that makes it
+    by_input: bool = False  # ... or its save that is the very tensor `module` read (a unit of several)
+    same_last_dim: bool = True  # the output's last dimension is the source's (not for the merge)
 
 
 def rebuilds(parallel_residual: bool) -> dict[str, Rebuild]:
@@ -91,6 +96,7 @@ def rebuilds(parallel_residual: bool) -> dict[str, Rebuild]:
         "attn.norm-out": Rebuild("x", "attn.norm", "input_layernorm"),
         "mlp.norm-out": Rebuild(mlp_in, "mlp.norm", "post_attention_layernorm"),
         "mlp.gelu-out": Rebuild("mlp.hidden", "mlp.gelu", "mlp.activation"),
+        "attn.merged": Rebuild("attn.core", "attn.merge", "attention.merge", by_input=True, same_last_dim=False),
     }
 
 
@@ -100,19 +106,23 @@ def rebuild_fn(block: torch.nn.Module, rebuild: Rebuild):
     return getattr(block.get_submodule(owner) if owner else block, attr)
 
 
-def remade_by_op(shape: tuple, stride: tuple, storage_bytes: int, element_size: int, source_shape: tuple) -> bool:
+def remade_by_op(shape: tuple, stride: tuple, storage_bytes: int, element_size: int, source_shape: tuple,
+                 same_last_dim: bool = True) -> bool:
     """Whether a saved tensor is the rebuilding op's output (or its autocast cast), made from a
-    source of `source_shape`: the source's size and last dimension, dense and contiguous. A weight's
-    cast that the same matmul saved is its transpose, not contiguous, and its last dimension is the
-    layer's output size; it stays kept. The executor and the profile decide by this one test."""
+    source of `source_shape`: the source's size (and last dimension), dense and contiguous. A
+    weight's cast that the same matmul saved is its transpose, not contiguous, and its last
+    dimension is the layer's output size; it stays kept."""
     contiguous, expected = True, 1
     for size, st in reversed(list(zip(shape, stride))):
         if size != 1 and st != expected:
             contiguous = False
         expected *= size
-    return (contiguous and tuple(source_shape[-1:]) == tuple(shape[-1:])
+    return (contiguous and (not same_last_dim or tuple(source_shape[-1:]) == tuple(shape[-1:]))
             and math.prod(source_shape) * element_size == storage_bytes)
 
+
+# modules whose input a rebuild is made from (`Rebuild.by_input`)
+READ_BY = ("attention.merge",)
 
 # Ops under these labels end their branch: early-stopping recomputation never reaches them and the
 # backward needs none of their outputs, so caching them would only cost memory.
@@ -132,6 +142,7 @@ class Labeller:
     def __init__(self) -> None:
         self.label = ""
         self._after_sdpa = False
+        self.read: dict[str, tuple] = {}  # module path -> the view it read last (a rebuild's source)
 
     def set(self, label: str) -> None:
         self.label = label
@@ -145,7 +156,15 @@ class Labeller:
                 handles.append(mod.register_forward_pre_hook(lambda m, a, lb=label: self.set(lb)))
             else:
                 handles.append(mod.register_forward_hook(lambda m, a, o, lb=label: self.set(lb)))
+        for path in READ_BY:
+            handles.append(block.get_submodule(path).register_forward_pre_hook(partial(self._read, path)))
         return handles
+
+    def _read(self, path: str, module, args) -> None:
+        # Only an eager branch rebuilds (`executor.per_op_decisions`); in a compiled one a storage's
+        # address would break the graph.
+        if not torch.compiler.is_compiling():
+            self.read[path] = view_key(args[0])
 
     def saved_unit(self) -> str:
         return SAVED_UNIT.get(self.label, self.label or "other")

@@ -101,6 +101,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: in
     return torch.cat((rot, rest), dim=-1)
 
 
+class HeadMerge(nn.Module):
+    """(batch, heads, seq, head) -> (batch, seq, heads x head), a copy. A module of its own (no
+    weights, so checkpoints do not see it) so that a memory plan can tell which tensor it read, the
+    attention's output, and rebuild the merged copy from it in the backward (`memory.units`)."""
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = y.shape
+        return y.transpose(1, 2).reshape(b, s, h * d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTNeoXConfig):
         super().__init__()
@@ -109,9 +119,10 @@ class Attention(nn.Module):
         self.padded_head_dim = cfg.head_dim  # set from outside: `set_head_padding`
         self.query_key_value = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.dense = nn.Linear(cfg.d_model, cfg.d_model)
+        self.merge = HeadMerge()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
+        b, s, _ = x.shape
         # HF NeoX layout: per head, [q | k | v] contiguous.
         qkv = self.query_key_value(x).view(b, s, self.n_heads, 3 * self.head_dim)
         q, k, v = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
@@ -126,7 +137,7 @@ class Attention(nn.Module):
         )
         if pad > 0:
             y = y[..., : self.head_dim]
-        return self.dense(y.transpose(1, 2).reshape(b, s, d))
+        return self.dense(self.merge(y))
 
 
 def set_head_padding(model: nn.Module, padded_head_dim: int) -> None:
