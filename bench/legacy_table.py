@@ -54,7 +54,7 @@ def entry(cfg: GPTNeoXConfig, card, mem: MemoryConfig) -> dict:
         prof = analytic_profile(cfg, mb, SEQ, card, cache_dir=PROFILE_CACHE)
         out["precision"], out["attention"] = prof.meta["precision"], prof.meta["attention"]
         try:
-            dp = plan_profile(prof, cfg, mem, mb, budget)
+            dp = plan_profile(prof, cfg, mem, mb, budget, compiled=True)  # a GPU run compiles its blocks
         except PlanError:
             break
         keep = dp.keep_all.peak_bytes <= budget and not dp.optimizer_offload

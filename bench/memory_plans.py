@@ -13,9 +13,9 @@ which a stretch of slow rounds does not reorder).
 Strategies: keep-all; full checkpointing (every block recomputed); sqrt(n) segments; the
 recompute-only MILP (Checkmate's problem, tensor level); PyTorch's own automatic budget
 (`torch._functorch.config.activation_memory_budget` under `torch.compile`, the anchor a PyTorch user
-already has); hetforge's MILP (keep / recompute / offload per tensor), eager, and the same plan on
-hetforge's compiled blocks (`train.compile`: branches kept or recomputed whole run compiled, those
-that cache or offload units eager). Compiled code is timed against torch.compile's keep-all compile
+already has); hetforge's MILP (keep / recompute / offload / rebuild per tensor), eager, and the plan a compiled
+run makes (`memory.rebuild: auto`, no rebuilding) on hetforge's compiled blocks (`train.compile`:
+branches kept or recomputed whole run compiled, those that cache or offload units eager). Compiled code is timed against torch.compile's keep-all compile
 (budget 1.0), each compiled run side by side with eager keep-all, since compilation speeds up a step
 by itself; eager plans are timed against eager keep-all.
 
@@ -186,6 +186,8 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
     known = {json.dumps([p.options, p.segments]): k for k, p in plans.items()}
     chosen: dict[tuple[float, str], str] = {}
     solve_s = {}
+    # what a compiled run plans (`memory.rebuild: auto`): no rebuilding, which would run its branch eager
+    for_compiled: dict[float, Plan] = {}
     for f in fracs:
         budget = base + f * (keep_pred.peak_bytes - base)
         for strat, menu in (("recompute-only MILP", menu_for("tensor", recompute_only=True)),
@@ -201,6 +203,8 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
             plans.setdefault(key, p)
             chosen[(f, strat)] = key
             solve_s[(f, strat)] = p.solve["seconds"]
+        if use_compile and (f, "hetforge MILP") in chosen:
+            for_compiled[f] = solve(prof, budget * (1 + 1e-9), menu_for("tensor", rebuild=False))
 
     # what each plan wraps the model in: keep-all is the bare model
     wrapping = {k: None if k == "keep-all" else p for k, p in plans.items()}
@@ -238,18 +242,19 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
         own = statistics.median(compiled[1.0]["vs_eager_keep"])
         for f in compiled:  # compiled code against its own keep-all compile
             compiled[f]["rel"] = [x / own for x in compiled[f]["vs_eager_keep"]]
-        # hetforge's plan on its own compiled blocks (`train.compile`): branches kept or recomputed
-        # whole run compiled, those that cache or offload units eager; timed the same way
+        # hetforge's plan for a compiled run on its own compiled blocks (`train.compile`): branches
+        # kept or recomputed whole run compiled, those that cache or offload units eager; timed the
+        # same way
         torch._dynamo.reset()
         hmodel = GPTNeoX(cfg)
         hmodel.load_state_dict(state)
         compile_blocks(hmodel)
         hst = Stepper(hmodel, idx)
         for f in fracs:
-            if (f, "hetforge MILP") not in chosen:
+            if f not in for_compiled:
                 continue
-            key = chosen[(f, "hetforge MILP")]
-            apply_plan(hmodel, None if key == "keep-all" else plans[key], measure=False)
+            plan = for_compiled[f]
+            apply_plan(hmodel, None if plan.options == ["keep"] * n else plan, measure=False)
             hst.step()  # compiles what this plan runs compiled
             t = interleaved({"compiled": hst.times, "eager keep-all": eager.times}, rounds, steps)
             het_compiled[f] = {"vs_eager_keep": [c / e for c, e in zip(t["compiled"], t["eager keep-all"])],

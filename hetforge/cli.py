@@ -223,7 +223,10 @@ def cmd_plan(args) -> int:
     from hetforge.config import load_config
     from hetforge.core.console import console
     from hetforge.cluster.spec import device_memory_bytes
-    from hetforge.memory.device_plan import PROFILE_CACHE, plan_device, plan_profile, resolve_budget
+    import torch
+
+    from hetforge.core.hardware import compile_decision
+    from hetforge.memory.device_plan import PROFILE_CACHE, plan_device, plan_profile, rebuild_units, resolve_budget
     from hetforge.memory.milp import baselines
     from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
                                         save_plan, tensors_table, units_table)
@@ -259,12 +262,14 @@ def cmd_plan(args) -> int:
         precision, device = prof.meta["precision"], f"{card.name} (estimated; attention: {prof.meta['attention']})"
         console.print(f"estimating {card.name} for {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch "
                       f"{micro} x {seq} tokens, {precision}, attention {prof.meta['attention']}, from this machine's profile ...")
-        dp = plan_profile(prof, model_cfg, mem, micro, budget, cfg.train.optimizer)
+        compiled = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]  # a card is a GPU
+        dp = plan_profile(prof, model_cfg, mem, micro, budget, cfg.train.optimizer, compiled=compiled)
     else:
         budget = resolve_budget(mem, device_memory_bytes(None, device))
         console.print(f"profiling {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch {micro} x {seq} "
                       f"tokens, {precision} on {device} ...")
-        dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer)
+        compiled = compile_decision(cfg.train.compile, device, True)[0]
+        dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer, compiled=compiled)
     prof = dp.profile
     if not args.card:
         console.print(tensors_table(prof))
@@ -272,7 +277,8 @@ def cmd_plan(args) -> int:
     console.print(decisions_table(dp.plan, prof))
     console.print(breakdown_table(dp.prediction, budget))
     if budget is not None:
-        console.print(baselines_table(prof, dp.plan, baselines(prof, budget, mem.granularity, mem.time_limit_s)))
+        console.print(baselines_table(prof, dp.plan, baselines(prof, budget, mem.granularity, mem.time_limit_s,
+                                                               rebuild_units(mem, compiled))))
     if dp.plan.solve:
         s = dp.plan.solve
         if "seconds" in s:
@@ -299,7 +305,9 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     from hetforge.cluster.spec import cluster_nodes
     from hetforge.config import ClusterConfig, ConfigError
     from hetforge.core.console import console
-    from hetforge.core.hardware import lookup
+    import torch
+
+    from hetforge.core.hardware import compile_decision, lookup
     from hetforge.core.sizes import format_bytes
     from hetforge.memory.analytic import analytic_profile, usable_bytes
     from hetforge.memory.cluster_plan import DeviceKind, plan_cluster
@@ -320,12 +328,14 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
             budget = mem_gb * 2**30 if mem_gb else usable_bytes(card)
             at = (lambda b, card=card: analytic_profile(model_cfg, b, seq, card, opt, PROFILE_CACHE,
                                                         pad_head_dim=cfg.model.pad_head_dim))
-            kinds.append(DeviceKind(kind, count, budget, at))
+            gpu_compiles = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]
+            kinds.append(DeviceKind(kind, count, budget, at, compiled=gpu_compiles))
             continue
         if mem_gb is None:
             raise ConfigError(f"{path}: device {kind!r} needs memory_gb: the plan is made for its memory")
         at = (lambda b: profile_model(model_cfg, b, seq, precision, device, link, opt, PROFILE_CACHE))
-        kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0))
+        kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0,
+                                compiled=compile_decision(cfg.train.compile, torch.device(device), True)[0]))
     pc = cfg.parallel
     link_bps = (pc.link_gbps or 10.0) * 1e9
     gather = 4 if precision == "fp32" else 2

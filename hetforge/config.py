@@ -319,8 +319,11 @@ class MemoryConfig(_Strict):
     verify_tolerance: float = Field(0.15, gt=0)  # warn when measured and predicted differ more
     # optimizer state (and its step) in host memory: auto = only where nothing fits otherwise
     optimizer_offload: Literal["auto", "on", "off"] = "auto"
+    # a kept branch may rebuild cheap units in the backward (`memory.units`): auto = where the run
+    # does not compile its blocks (a branch that rebuilds runs eager, which the eager prices miss)
+    rebuild: Literal["auto", "on", "off"] = "auto"
 
-    @field_validator("optimizer_offload", mode="before")
+    @field_validator("optimizer_offload", "rebuild", mode="before")
     @classmethod
     def _on_off(cls, v):
         # YAML reads a bare on / off as a boolean

@@ -7,7 +7,7 @@ from torch._dynamo.utils import counters
 
 from hetforge.core.metrics import read_metrics
 from hetforge.train.loop import train
-from hetforge.train.parallel import compile_decision
+from hetforge.core.hardware import compile_decision
 
 
 def test_compiled_blocks_train_like_eager_and_the_cold_start_is_logged(make_cfg):

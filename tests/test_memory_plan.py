@@ -234,3 +234,23 @@ def test_answers_are_checked_the_minimum_passes_back_and_keep_all_is_exact(seed)
         assert (plan.options == ["keep"] * n) == (budget >= keep), budget
     with pytest.raises(PlanError):
         solve(prof, lo - max(1.0, 1e-6 * lo), menu, time_limit_s=5)
+
+
+def test_a_compiled_run_plans_without_rebuilding():
+    """`memory.rebuild: auto` offers rebuilding only where the blocks run eager: a branch that
+    rebuilds runs eager, a price the eager profile does not show. The menu without it never
+    rebuilds, and where rebuilding is cheap the menu with it is faster."""
+    from hetforge.config import MemoryConfig
+    from hetforge.memory.device_plan import rebuild_units
+    from hetforge.memory.milp import plan_for_strategy
+
+    assert rebuild_units(MemoryConfig(), compiled=False) and not rebuild_units(MemoryConfig(), compiled=True)
+    assert rebuild_units(MemoryConfig(rebuild="on"), compiled=True)
+    assert not rebuild_units(MemoryConfig(rebuild=False), compiled=False)  # YAML's bare off
+    prof = synthetic(6, 11)
+    budget = budget_between(prof, TensorMenu(), 0.5)
+    with_ = plan_for_strategy(prof, budget, "milp", "tensor", rebuild=True)
+    without = plan_for_strategy(prof, budget, "milp", "tensor", rebuild=False)
+    assert any("rebuild[" in o for o in with_.options)
+    assert not any("rebuild[" in o for o in without.options)
+    assert simulate(prof, with_).time_s < simulate(prof, without).time_s

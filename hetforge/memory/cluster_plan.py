@@ -30,6 +30,7 @@ class DeviceKind:
     budget: float  # bytes a plan may use
     profile_at: Callable[[int], ModelProfile]
     speed: float = 1.0  # divides the profiled times (a kind profiled on another device)
+    compiled: bool = False  # a run on it compiles its blocks: no rebuilding under memory.rebuild=auto
 
 
 @dataclass
@@ -73,7 +74,7 @@ def best_plan(kind: DeviceKind, shape: GPTNeoXConfig, mem_cfg, sizes: list[int],
     best, first_error = None, None
     for b in sizes:
         try:
-            dp = plan_profile(kind.profile_at(b), shape, mem_cfg, b, kind.budget, optimizer, layout)
+            dp = plan_profile(kind.profile_at(b), shape, mem_cfg, b, kind.budget, optimizer, layout, kind.compiled)
         except PlanError as err:
             first_error = first_error or str(err)
             break  # larger micro-batches need more

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hetforge.memory.milp import PlanError, plan_for_strategy
+from hetforge.core.hardware import compile_decision
 from hetforge.core.precision import resolve_precision
 from hetforge.core.sizes import format_bytes, parse_size
 from hetforge.memory.plan import ModelProfile, Plan, Prediction, simulate
@@ -70,31 +71,33 @@ def comm_workspace(backend: str | None, grad_bytes: float) -> float:
 def plan_device(
     model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, micro_batch: int,
     budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
-    workspace_bytes: float = 0.0, layout: ShardLayout | None = None,
+    workspace_bytes: float = 0.0, layout: ShardLayout | None = None, compiled: bool = False,
 ) -> DevicePlan:
     """Profile this device and plan on it. Raises PlanError (naming the smallest feasible budget)
     when nothing fits."""
     link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
     prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
     prof.workspace_bytes = workspace_bytes
-    return plan_profile(prof, model_cfg, mem_cfg, micro_batch, budget, optimizer, layout)
+    return plan_profile(prof, model_cfg, mem_cfg, micro_batch, budget, optimizer, layout, compiled)
 
 
 def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_batch: int, budget: float | None,
-                 optimizer: str = "adamw", layout: ShardLayout | None = None) -> DevicePlan:
+                 optimizer: str = "adamw", layout: ShardLayout | None = None, compiled: bool = False) -> DevicePlan:
     """The plan for a profile, measured here or estimated for another card (`memory.analytic`).
 
     Optimizer offload (`memory.optimizer_offload`): "on" always; "auto" only when no activation plan
     fits beside the optimizer's state, since the host step and the copies cost time every step.
     Under a sharded `layout` the static bytes are its shards and gathered units, and the host
-    optimizer is not an option (a sharded run offloads with parallel.offload=params)."""
+    optimizer is not an option (a sharded run offloads with parallel.offload=params). `compiled`:
+    the run compiles its blocks, so `memory.rebuild: auto` offers no rebuilding (see `rebuild_units`)."""
     layout = layout or ShardLayout()
     mode = mem_cfg.optimizer_offload if layout.strategy == "ddp" else "off-sharded"
     offload = mode == "on"
 
     def solve_with(off: bool) -> Plan:
         prof.static = layout.static_bytes(model_cfg, optimizer, off)
-        return plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s)
+        return plan_for_strategy(prof, budget, mem_cfg.strategy, mem_cfg.granularity, mem_cfg.time_limit_s,
+                                 rebuild_units(mem_cfg, compiled))
 
     try:
         plan = solve_with(offload)
@@ -116,6 +119,16 @@ def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_ba
     return DevicePlan(micro_batch, budget, plan, simulate(prof, plan), keep, prof, offload, offload_s)
 
 
+def rebuild_units(mem_cfg, compiled: bool) -> bool:
+    """Whether plans may rebuild units (`memory.rebuild`). Auto: only where the blocks run eager. A
+    rebuilding branch runs eager, and the plan is priced on the eager profile, so on a compiled run
+    it would give up the compiled branch for a price that does not show it: on the bench's CPU a
+    compiled plan that rebuilt its MLPs ran at 1.12x of torch.compile's keep-all against 0.99x for
+    torch.compile's own budget."""
+    mode = getattr(mem_cfg, "rebuild", "auto")
+    return mode == "on" or (mode == "auto" and not compiled)
+
+
 def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,
                     device_memory: float | None, cache_dir: Path | None, backend: str | None = None,
                     layout: ShardLayout | None = None) -> DevicePlan:
@@ -124,9 +137,10 @@ def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_b
     per-unit buffers are counted in the layout's gathered bytes)."""
     prof_static = static_bytes(model_cfg, cfg.train.optimizer)
     workspace = 0.0 if layout is not None and layout.sharded else comm_workspace(backend, prof_static["gradients"])
+    compiled = compile_decision(cfg.train.compile, device, True)[0]
     return plan_device(model_cfg, cfg.memory, cfg.train.seq_len, resolve_precision(cfg.train.precision, device),
                        device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer,
-                       cache_dir, workspace, layout)
+                       cache_dir, workspace, layout, compiled)
 
 
 def feasible_plans(

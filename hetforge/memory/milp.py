@@ -76,9 +76,9 @@ class TensorMenu:
 Menu = tuple[str, ...] | TensorMenu
 
 
-def menu_for(granularity: str, recompute_only: bool = False) -> Menu:
+def menu_for(granularity: str, recompute_only: bool = False, rebuild: bool = True) -> Menu:
     if granularity == "tensor":
-        return TensorMenu(offload=not recompute_only)
+        return TensorMenu(offload=not recompute_only, rebuild=rebuild)
     menu = MENUS[granularity]
     return tuple(o for o in menu if o in RECOMPUTE_ONLY) if recompute_only else menu
 
@@ -345,7 +345,7 @@ def brute_force(profile: ModelProfile, budget: float, menu: Menu) -> tuple[float
 
 
 def baselines(profile: ModelProfile, budget: float, granularity: str = "tensor",
-              time_limit_s: float = 60.0) -> dict[str, Plan | None]:
+              time_limit_s: float = 60.0, rebuild: bool = True) -> dict[str, Plan | None]:
     """The plans a user already has, on the same profile; None where one does not fit."""
     n = len(profile.blocks)
     out: dict[str, Plan | None] = {
@@ -357,7 +357,7 @@ def baselines(profile: ModelProfile, budget: float, granularity: str = "tensor",
         if simulate(profile, p).peak_bytes > budget:
             out[k] = None
     try:
-        out["recompute-only MILP"] = solve(profile, budget, menu_for(granularity, recompute_only=True),
+        out["recompute-only MILP"] = solve(profile, budget, menu_for(granularity, recompute_only=True, rebuild=rebuild),
                                            time_limit_s, strategy="recompute-only")
     except PlanError:
         out["recompute-only MILP"] = None
@@ -365,8 +365,9 @@ def baselines(profile: ModelProfile, budget: float, granularity: str = "tensor",
 
 
 def plan_for_strategy(profile: ModelProfile, budget: float | None, strategy: str, granularity: str = "tensor",
-                      time_limit_s: float = 60.0) -> Plan:
-    """The plan a config's `memory.strategy` asks for; fixed strategies are checked against the budget."""
+                      time_limit_s: float = 60.0, rebuild: bool = True) -> Plan:
+    """The plan a config's `memory.strategy` asks for; fixed strategies are checked against the budget.
+    `rebuild`: whether the tensor menu offers rebuilding units (see `memory.rebuild`)."""
     n = len(profile.blocks)
     if strategy == "none":
         plan = Plan(["keep"] * n, "none")
@@ -377,7 +378,7 @@ def plan_for_strategy(profile: ModelProfile, budget: float | None, strategy: str
     elif strategy in ("milp", "recompute-only"):
         if budget is None:
             return Plan(["keep"] * n, strategy, solve={"status": "no budget: keep all"})
-        return solve(profile, budget, menu_for(granularity, strategy == "recompute-only"), time_limit_s,
+        return solve(profile, budget, menu_for(granularity, strategy == "recompute-only", rebuild), time_limit_s,
                      strategy=strategy)
     else:
         raise ValueError(f"unknown memory strategy {strategy!r}")

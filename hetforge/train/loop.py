@@ -81,7 +81,7 @@ from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.checkpoint_io import rng_state
 from hetforge.core.console import console, make_progress, warn
 from hetforge.core.errors import HetforgeError
-from hetforge.core.hardware import detect, padded_head_dim, run_precision
+from hetforge.core.hardware import compile_decision, detect, padded_head_dim, run_precision
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
 from hetforge.core.process import process_peak_rss_bytes
@@ -124,7 +124,6 @@ from hetforge.train.parallel import (
     ComputeTimer,
     Parallel,
     compile_blocks,
-    compile_decision,
     device_mesh,
     init_sharded,
     local_sharding,

@@ -251,20 +251,6 @@ def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strate
     return Parallel(net, strategy, clock, grad_weight=float(ctx.world_size))
 
 
-def compile_decision(mode: str, device: torch.device, memory_plan: bool) -> tuple[bool, str]:
-    """(compile?, why). Under a memory plan the branches kept or recomputed whole run compiled;
-    those whose plan caches or offloads some of their units run eager
-    (`memory.executor.per_op_decisions`), and the plan is priced on the eager profile."""
-    if mode == "off":
-        return False, "train.compile=off"
-    plan = " (a memory plan's per-op choices run eager)" if memory_plan else ""
-    if mode == "on":
-        return True, "train.compile=on" + plan
-    if device.type == "cuda":
-        return True, "auto: on a GPU, compiled blocks are typically 1.2-1.5x faster" + plan
-    return False, "auto: off on a CPU, where compiling gains little and costs a cold start"
-
-
 def inductor_cache_dir() -> str:
     """Inductor's on-disk cache, one per ATen CPU capability. Its key misses the capability: with
     one shared cache, kernels built under AVX-512 were reused by a process running with
