@@ -204,7 +204,10 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
             chosen[(f, strat)] = key
             solve_s[(f, strat)] = p.solve["seconds"]
         if use_compile and (f, "hetforge MILP") in chosen:
-            for_compiled[f] = solve(prof, budget * (1 + 1e-9), menu_for("tensor", rebuild=False))
+            try:  # rebuilding reaches lower: the smallest budgets have no plan without it
+                for_compiled[f] = solve(prof, budget * (1 + 1e-9), menu_for("tensor", rebuild=False))
+            except PlanError:
+                pass
 
     # what each plan wraps the model in: keep-all is the bare model
     wrapping = {k: None if k == "keep-all" else p for k, p in plans.items()}
