@@ -13,10 +13,10 @@ which a stretch of slow rounds does not reorder).
 Strategies: keep-all; full checkpointing (every block recomputed); sqrt(n) segments; the
 recompute-only MILP (Checkmate's problem, tensor level); PyTorch's own automatic budget
 (`torch._functorch.config.activation_memory_budget` under `torch.compile`, the anchor a PyTorch user
-already has); hetforge's MILP (keep / recompute / offload / rebuild per tensor), eager, and the plan a compiled
-run makes (`memory.rebuild: auto`, no rebuilding) on hetforge's compiled blocks (`train.compile`:
-branches kept or recomputed whole run compiled, those that cache or offload units eager). Compiled code is timed against torch.compile's keep-all compile
-(budget 1.0), each compiled run side by side with eager keep-all, since compilation speeds up a step
+already has); hetforge's MILP (keep / recompute / offload / rebuild per tensor), eager, and the
+plan a compiled run makes (`memory.rebuild: auto`, no rebuilding) on hetforge's compiled blocks
+(`train.compile`: branches kept or recomputed whole run compiled, those that cache or offload units
+eager). Compiled code is timed against torch.compile's keep-all compile (budget 1.0), each compiled run side by side with eager keep-all, since compilation speeds up a step
 by itself; eager plans are timed against eager keep-all.
 
 A strategy fits a budget when its measured activation peak is within it. Goal: at every budget

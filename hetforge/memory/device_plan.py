@@ -125,8 +125,7 @@ def rebuild_units(mem_cfg, compiled: bool) -> bool:
     it would give up the compiled branch for a price that does not show it: on the bench's CPU a
     compiled plan that rebuilt its MLPs ran at 1.12x of torch.compile's keep-all against 0.99x for
     torch.compile's own budget."""
-    mode = getattr(mem_cfg, "rebuild", "auto")
-    return mode == "on" or (mode == "auto" and not compiled)
+    return mem_cfg.rebuild == "on" or (mem_cfg.rebuild == "auto" and not compiled)
 
 
 def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,

@@ -302,8 +302,7 @@ class PlanRunner:
         if source is None:
             return None
         like = source.tensor if source.tensor is not None else source.copy
-        if like is None or not remade_by_op(tuple(t.shape), tuple(t.stride()), t.untyped_storage().nbytes(),
-                                            t.element_size(), tuple(like.shape), rb.same_last_dim):
+        if like is None or not remade_by_op(t, tuple(like.shape), rb.same_last_dim):
             return None
         fn = rebuild_fn(st.block, rb)
         if isinstance(fn, torch.nn.Module):
@@ -428,7 +427,7 @@ class PlanRunner:
 
 def per_op_decisions(bp) -> bool:
     """Whether a branch's plan treats its saved units one by one: outputs cached in a selective
-    recomputation, or units offloaded. Those choices are made on the eager ops and their saved
+    recomputation, units offloaded or rebuilt. Those choices are made on the eager ops and their saved
     tensors, which a compiled branch replaces with its own: views into its fused buffers (q, k and
     v of one projection), which only the whole buffer could bring back at the strides its backward
     checks. Such a branch runs eager. Keeping a branch, recomputing it whole and offloading the

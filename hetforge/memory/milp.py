@@ -121,7 +121,7 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             host = host + _c(u.host_bytes / MIB, o)
         if menu.rebuild and u.name in blk.rebuildable:
             m = made[u.name] = h.addBinary()  # rebuilt in the backward: not held, its op paid again
-            h.addConstr(m + r[u.branch] + (off[u.name] if u.name in off else 0.0) <= 1)
+            h.addConstr(m + r[u.branch] + off.get(u.name, 0.0) <= 1)
             held = held - _c(u.rebuild_bytes / MIB, m)
             rec = rec + _c(u.time_s * MS, m)
     for br in BRANCHES:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 BRANCHES = ("attn", "mlp")
 
@@ -67,7 +68,7 @@ class Unit:
 class BranchPlan:
     mode: str  # "keep" (saved units kept or offloaded) | "recompute" (op units cached or recomputed)
     units: frozenset = frozenset()  # keep: the saved units offloaded; recompute: the op units cached
-    rebuilt: frozenset = frozenset()  # keep: the saved units rebuilt in the backward (`units.REBUILDS`)
+    rebuilt: frozenset = frozenset()  # keep: the saved units rebuilt in the backward (`units.rebuilds`)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class BlockProfile:
             return 0.0
         return both["plain"] - sum(self.recompute[br]["plain"] for br in BRANCHES)
 
-    @property
+    @cached_property
     def rebuildable(self) -> dict[str, "Unit"]:
         """Saved units a kept branch can rebuild, by name; a profile without their price has none."""
         return {u.name: u for u in self.of("saved") if u.rebuild_from}

@@ -273,7 +273,8 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         if o == "keep":
             kept = saved
             tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
-    every = {br: frozenset(n for n in rebuilds(cfg.parallel_residual) if n.startswith(br + ".")) for br in BRANCHES}
+    table = rebuilds(cfg.parallel_residual)
+    every = {br: frozenset(n for n in table if n.startswith(br + ".")) for br in BRANCHES}
     _, _, rebuilt = run(Decision(BranchPlan("keep", frozenset(), every["attn"]),
                                  BranchPlan("keep", frozenset(), every["mlp"])).encode(), record=True)
     units = _saved_units(kept, users, rebuilt)
@@ -314,8 +315,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     # Rebuilding: per branch, the step's extra time when the kept branch rebuilds every unit it can
     # (under the saved-tensor hooks it needs, which keep-all runs without); the producers' op times
     # split it.
-    remade = {n: rb for n, rb in rebuilds(cfg.parallel_residual).items()
-              if any(u.name == n and u.kind == "saved" and u.rebuild_bytes > 0 for u in units)}
+    remade = {n: rb for n, rb in table.items() if any(u.name == n and u.rebuild_bytes > 0 for u in units)}
     for br in BRANCHES:
         names = frozenset(n for n in remade if n.startswith(br + "."))
         if names:

@@ -17,7 +17,7 @@ the layer norms' outputs (from the block input), the GELU's output (from the MLP
 the GELU's own backward saves) and the merged heads (from the attention output, which SDPA's
 backward saves; where the kernel does not save it, the math fallback, or saves it padded, the
 merged copy is kept). A kept branch may **rebuild** them: the saved-tensor hook stores
-nothing for them and runs that op again when the backward unpacks them (`REBUILDS`). That frees
+nothing for them and runs that op again when the backward unpacks them (`rebuilds`). That frees
 their bytes for an elementwise op, without re-running the branch under a checkpoint.
 
 `Labeller` tracks which piece of a block is running, from forward hooks on the block's modules,
@@ -106,19 +106,13 @@ def rebuild_fn(block: torch.nn.Module, rebuild: Rebuild):
     return getattr(block.get_submodule(owner) if owner else block, attr)
 
 
-def remade_by_op(shape: tuple, stride: tuple, storage_bytes: int, element_size: int, source_shape: tuple,
-                 same_last_dim: bool = True) -> bool:
+def remade_by_op(t: torch.Tensor, source_shape: tuple, same_last_dim: bool = True) -> bool:
     """Whether a saved tensor is the rebuilding op's output (or its autocast cast), made from a
-    source of `source_shape`: the source's size (and last dimension), dense and contiguous. A
-    weight's cast that the same matmul saved is its transpose, not contiguous, and its last
+    source of `source_shape`: its whole storage, the source's size (and last dimension), contiguous.
+    A weight's cast that the same matmul saved is its transpose, not contiguous, and its last
     dimension is the layer's output size; it stays kept."""
-    contiguous, expected = True, 1
-    for size, st in reversed(list(zip(shape, stride))):
-        if size != 1 and st != expected:
-            contiguous = False
-        expected *= size
-    return (contiguous and (not same_last_dim or tuple(source_shape[-1:]) == tuple(shape[-1:]))
-            and math.prod(source_shape) * element_size == storage_bytes)
+    return (t.is_contiguous() and (not same_last_dim or tuple(source_shape[-1:]) == tuple(t.shape[-1:]))
+            and math.prod(source_shape) * t.element_size() == t.untyped_storage().nbytes())
 
 
 # modules whose input a rebuild is made from (`Rebuild.by_input`)

@@ -158,7 +158,7 @@ class MLP(nn.Module):
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         """One method, so that a memory plan that rebuilds the activation's output in the backward
-        (`memory.units.REBUILDS`) runs the same function as the forward did."""
+        (`memory.units.rebuilds`) runs the same function as the forward did."""
         return F.gelu(h)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
