@@ -71,6 +71,7 @@ MODELS = {
     "small-12": GPTNeoXConfig(n_layers=12, d_model=128, n_heads=4, d_ff=512, vocab_size=512),
 }
 FRACS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2)
+PROFILE_SECONDS = 60.0
 
 
 class Stepper:
@@ -106,9 +107,13 @@ class Stepper:
 
 
 def interleaved(runs: dict[str, callable], rounds: int, steps: int) -> dict[str, list[float]]:
-    """Per run, the median step time of each round (its first step dropped). Rounds alternate the
-    runs, so a shared machine's drift hits all of them alike and round i of two runs is a pair; the
-    order within a round is shuffled per round (seeded), so no run always follows the same one."""
+    """Per run, the median step time of each round (its first step, the one after the switch,
+    dropped). Rounds alternate the runs, so a shared machine's drift hits all of them alike and round
+    i of two runs is a pair; the order within a round is shuffled per round (seeded), so no run
+    always follows the same one. Rounds are short (by default one timed step per run) and many:
+    this CPU's step time wanders by 10-30% over tens of seconds, and neighbouring steps correlate
+    at 0.6-0.75 and steps ten apart at 0.35-0.5 (800 keep-all steps of tiny, README), so the closer
+    a pair's two steps, the more of that wander their ratio cancels."""
     got: dict[str, list[float]] = {k: [] for k in runs}
     order = list(runs)
     for r in range(rounds):
@@ -163,10 +168,13 @@ def compiled_stepper(cfg: GPTNeoXConfig, state: dict, idx: torch.Tensor, budget:
 
 
 def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int, steps: int,
-                use_compile: bool) -> dict:
+                use_compile: bool, profile_seconds: float = PROFILE_SECONDS) -> dict:
     torch.manual_seed(0)
     idx = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
-    prof = profile_model(cfg, batch, seq, repeats=5)
+    # The profile's timing window spans a minute: this CPU's speed wanders by 10-30% over tens of
+    # seconds, and a profile timed in a fast or slow stretch prices every plan off by it, while the
+    # rounds below, minutes long, see the machine's average.
+    prof = profile_model(cfg, batch, seq, repeats=5, min_seconds=profile_seconds)
     n = cfg.n_layers
     model = GPTNeoX(cfg)
     state = copy.deepcopy(model.state_dict())
@@ -389,17 +397,18 @@ def solve_times(cfg: GPTNeoXConfig, batch: int, seq: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer rounds, no torch.compile")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=2, help="steps per run and round, the first dropped")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile baseline")
     args = ap.parse_args()
-    rounds, steps = (2, 3) if args.quick else (args.rounds, args.steps)
+    rounds, steps = (3, 2) if args.quick else (args.rounds, args.steps)
     batch, seq = 4, 256
     names = [m for m in args.models.split(",") if m]
     if unknown := [m for m in names if m not in MODELS]:
         ap.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    results = [bench_model(k, MODELS[k], batch, seq, rounds, steps, use_compile=not (args.quick or args.no_compile))
+    results = [bench_model(k, MODELS[k], batch, seq, rounds, steps, use_compile=not (args.quick or args.no_compile),
+                           profile_seconds=2.0 if args.quick else PROFILE_SECONDS)
                for k in names]
     print("\n== MILP solve time (GPU-like copies)")
     solve = solve_times(MODELS["small-12"], batch, seq)

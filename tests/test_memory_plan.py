@@ -254,3 +254,30 @@ def test_a_compiled_run_plans_without_rebuilding():
     assert any("rebuild[" in o for o in with_.options)
     assert not any("rebuild[" in o for o in without.options)
     assert simulate(prof, with_).time_s < simulate(prof, without).time_s
+
+
+@pytest.mark.parametrize("drift", [0.0, 0.004, -0.003])
+def test_a_price_is_its_option_against_the_base_runs_beside_it(drift):
+    """The profile prices an option by its time less the mean of the base run just before and just
+    after it: on a machine whose step time drifts linearly (a synthetic clock, no timing), every
+    round's price is the option's own extra time exactly, in every shuffled order; priced against the
+    round's one base run instead, the drift times the runs between them would be added."""
+    from hetforge.memory.profile import sandwiched
+
+    cost = {"keep": 0.0, "a": 0.003, "b": 0.011, "c": -0.002, "d": 0.0}
+    ran: list[str] = []
+
+    def run(k: str) -> float:
+        ran.append(k)
+        return 0.050 + drift * len(ran) + cost[k]  # the machine slows (or speeds up) by `drift` a run
+
+    rounds: list[int] = []
+    got = sandwiched(run, ["a", "b", "c", "d"], "keep", lambda r: r < 6, rounds.append)
+    assert rounds == list(range(6))
+    for k, v in got.items():
+        assert len(v) == 5  # the first round warms up
+        assert v == pytest.approx([cost[k]] * 5, abs=1e-12)
+    # every option sits between two base runs, and the order changes between rounds
+    per_round = [ran[i * 9:(i + 1) * 9] for i in range(6)]
+    assert all(r[0::2] == ["keep"] * 5 for r in per_round)
+    assert len({tuple(r[1::2]) for r in per_round}) > 1

@@ -23,8 +23,10 @@ import copy
 import hashlib
 import json
 import os
+import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,7 +46,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 13
+PROFILE_VERSION = 14
 
 
 def _sync(device: torch.device) -> None:
@@ -393,14 +395,14 @@ def timing_depth(n_layers: int, copy_bytes: float, free_bytes: float) -> int:
 
 def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin, ac, device,
                 rounds: int, min_seconds: float = 0.0, depth: int = 1) -> tuple[dict[str, float], float, float]:
-    """Per option (but "keep"), the median over rounds of its forward + backward time less keep's in
-    the same round; and the plain block's forward and backward (what keep-all runs); all per block,
-    timed over `depth` blocks in a row (`timing_depth`). The options are interleaved round by round
-    and their differences taken within a round, so that a shared machine's drift, which moves every
-    option alike, cancels out of the prices of recomputation (a few percent of a block: a median of
-    whole times, each off by the drift, would bury them). Rounds go on until `min_seconds` have
-    passed: a CPU measured for a few milliseconds is measured in a burst (turbo, an idle neighbour)
-    that the minutes of a training run do not keep."""
+    """Per option (but "keep"), the median over rounds of its forward + backward time less that of
+    the keep runs beside it (`sandwiched`); and the plain block's forward and backward (what keep-all
+    runs); all per block, timed over `depth` blocks in a row (`timing_depth`). Differences of
+    neighbouring runs, because a shared machine's drift moves every option alike and the prices of
+    recomputation are a few percent of a block: a median of whole times, each off by the drift,
+    would bury them. Rounds go on until `min_seconds` have passed: a CPU measured for a few
+    milliseconds is measured in a burst (turbo, an idle neighbour) that the minutes of a training
+    run do not keep."""
     # copies of the block, each with its own weights and gradients, as in the model (one module run
     # `depth` times would keep its weights in the cache)
     layers = [block] + [copy.deepcopy(block) for _ in range(depth - 1)]
@@ -409,8 +411,6 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
     for k, option in variants.items():
         runners[k] = PlanRunner(Plan([option] * depth), params, cfg.parallel_residual, random=cfg.dropout > 0)
         runners[k].measure = False
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    plain: list[tuple[float, float]] = []
 
     def run_plain() -> tuple[float, float]:
         x = x0.detach().requires_grad_(True)
@@ -426,31 +426,63 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
         _sync(device)
         return (t1 - t0) / depth, (time.perf_counter() - t1) / depth
 
-    start, r = time.perf_counter(), 0
-    while _more(r, rounds, start, min_seconds):
-        for k, runner in runners.items():
-            handles = runner.install_labels(layers)
-            x = x0.detach().requires_grad_(True)
-            _sync(device)
-            t0 = time.perf_counter()
-            with ac():
-                out = runner(layers, x, cos, sin)
-            out.backward(grad)
-            _sync(device)
-            if r:  # the first round warms up
-                times[k].append((time.perf_counter() - t0) / depth)
-            for hd in handles:
-                hd.remove()
-        fb = run_plain()
+    def run_option(k: str) -> float:
+        runner = runners[k]
+        handles = runner.install_labels(layers)
+        x = x0.detach().requires_grad_(True)
+        _sync(device)
+        t0 = time.perf_counter()
+        with ac():
+            out = runner(layers, x, cos, sin)
+        out.backward(grad)
+        _sync(device)
+        took = (time.perf_counter() - t0) / depth
+        for hd in handles:
+            hd.remove()
+        return took
+
+    plain: list[tuple[float, float]] = []
+
+    def round_done(r: int) -> None:
+        fb = run_plain()  # the bare block's forward and backward, what keep-all runs
         if r:
             plain.append(fb)
-        r += 1
+
+    start = time.perf_counter()
+    extras = sandwiched(run_option, [k for k in variants if k != "keep"], "keep",
+                        lambda r: _more(r, rounds, start, min_seconds), round_done)
     block.zero_grad(set_to_none=False)
-    del layers[1:], runners, out
+    del layers[1:], runners
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the copies' memory goes back to the card
-    extra = {k: statistics.median(t - base for t, base in zip(v, times["keep"])) for k, v in times.items() if k != "keep"}
+    extra = {k: statistics.median(v) for k, v in extras.items()}
     return extra, statistics.median(f for f, _ in plain), statistics.median(b for _, b in plain)
+
+
+def sandwiched(run: Callable[[str], float], options: list[str], base: str, more: Callable[[int], bool],
+               after_round: Callable[[int], None] = lambda r: None) -> dict[str, list[float]]:
+    """Per option, one time per round (the first round warms up and is dropped) less the mean of
+    `base` run just before it and just after it: a drift linear over three runs cancels out of the
+    difference. On a shared CPU the step time wanders by 10-30% over tens of seconds (neighbouring
+    steps correlate at 0.6-0.75, steps ten apart at 0.35-0.5), so an option priced against one run
+    of `base` per round, up to ten runs away, carried that wander into prices of a few percent of a
+    step. The options' order is shuffled per round (seeded), so none
+    always follows the same one. Rounds go on while `more(round)`; `run(option)` times one run."""
+    order = list(options)
+    extras: dict[str, list[float]] = {k: [] for k in order}
+    r = 0
+    while more(r):
+        random.Random(r).shuffle(order)
+        before = run(base)
+        for k in order:
+            took = run(k)
+            after = run(base)
+            if r:
+                extras[k].append(took - (before + after) / 2)
+            before = after
+        after_round(r)
+        r += 1
+    return extras
 
 
 def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
