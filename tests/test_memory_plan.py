@@ -258,8 +258,8 @@ def test_a_compiled_run_plans_without_rebuilding():
 
 @pytest.mark.parametrize("drift", [0.0, 0.004, -0.003])
 def test_a_price_is_its_option_against_the_base_runs_beside_it(drift):
-    """The profile prices an option by its time less the mean of the base run just before and just
-    after it: on a machine whose step time drifts linearly (a synthetic clock, no timing), every
+    """The profile prices an option by its time less the mean of the base runs just before and just
+    after it, each run warmed up by one of its own: on a machine whose step time drifts linearly (a synthetic clock, no timing), every
     round's price is the option's own extra time exactly, in every shuffled order; priced against the
     round's one base run instead, the drift times the runs between them would be added."""
     from hetforge.memory.profile import sandwiched
@@ -277,7 +277,9 @@ def test_a_price_is_its_option_against_the_base_runs_beside_it(drift):
     for k, v in got.items():
         assert len(v) == 5  # the first round warms up
         assert v == pytest.approx([cost[k]] * 5, abs=1e-12)
-    # every option sits between two base runs, and the order changes between rounds
-    per_round = [ran[i * 9:(i + 1) * 9] for i in range(6)]
-    assert all(r[0::2] == ["keep"] * 5 for r in per_round)
-    assert len({tuple(r[1::2]) for r in per_round}) > 1
+    # every option sits between two base runs, each timed run after an untimed one of its own, and
+    # the order changes between rounds
+    per_round = [ran[i * 18:(i + 1) * 18] for i in range(6)]
+    assert all(r[0::4] == ["keep"] * 5 and r[1::4] == ["keep"] * 5 for r in per_round)
+    assert all(r[2::4] == r[3::4] for r in per_round)
+    assert len({tuple(r[2::4]) for r in per_round}) > 1

@@ -462,21 +462,33 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
 def sandwiched(run: Callable[[str], float], options: list[str], base: str, more: Callable[[int], bool],
                after_round: Callable[[int], None] = lambda r: None) -> dict[str, list[float]]:
     """Per option, one time per round (the first round warms up and is dropped) less the mean of
-    `base` run just before it and just after it: a drift linear over three runs cancels out of the
-    difference. On a shared CPU the step time wanders by 10-30% over tens of seconds (neighbouring
-    steps correlate at 0.6-0.75, steps ten apart at 0.35-0.5), so an option priced against one run
-    of `base` per round, up to ten runs away, carried that wander into prices of a few percent of a
-    step. The options' order is shuffled per round (seeded), so none
-    always follows the same one. Rounds go on while `more(round)`; `run(option)` times one run."""
+    `base` timed just before it and just after it; every timed run follows an untimed run of the
+    same option.
+
+    Neighbours, because a drift linear over those runs cancels out of the difference: on a shared
+    CPU the step time wanders by 10-30% over tens of seconds (neighbouring steps correlate at
+    0.6-0.75, steps ten apart at 0.35-0.5), so an option priced against one run of `base` per
+    round, up to ten runs away, carried that wander into prices of a few percent of a step.
+    Warmed up, because a step that follows a different option is not the step a run repeats: on
+    the CPU, a recomputing step right after a keep step finds the heap that keep's larger
+    activations left, and cost 1.4 / 3.7 ms a block over keep-all for the MLP / attention in the
+    model, against 2.8 / 4.9 ms after a step of its own (`bench/memory_plans.py`'s tiny, 50
+    interleaved rounds). The options' order is shuffled per round (seeded), so none always follows
+    the same one. Rounds go on while `more(round)`; `run(option)` times one run."""
     order = list(options)
     extras: dict[str, list[float]] = {k: [] for k in order}
+
+    def warm(k: str) -> float:
+        run(k)
+        return run(k)
+
     r = 0
     while more(r):
         random.Random(r).shuffle(order)
-        before = run(base)
+        before = warm(base)
         for k in order:
-            took = run(k)
-            after = run(base)
+            took = warm(k)
+            after = warm(base)
             if r:
                 extras[k].append(took - (before + after) / 2)
             before = after
