@@ -1,3 +1,3 @@
-from hetforge.cli import main
+from hetforge.cli import run
 
-raise SystemExit(main())
+run()

@@ -732,5 +732,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def run() -> None:
+    """The `hetforge` command: `main`, ended by `exit_process` (a torchrun worker skips the
+    interpreter's finalization)."""
+    from hetforge.core.process import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,8 +1,10 @@
-"""What this process has used of the host: its own peak resident memory."""
+"""What this process has used of the host (its own peak resident memory), and how it ends."""
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import NoReturn
 
 
 def process_peak_rss_bytes() -> int:
@@ -20,3 +22,21 @@ def process_peak_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with `code`. A worker of a multi-process launch (torchrun sets WORLD_SIZE)
+    ends without the interpreter's finalization, once its output is flushed: by then the command
+    has closed its metrics, checkpoints, loaders and process groups, and what finalization still
+    destroys can include a gloo group whose worker threads are alive, which aborts the process
+    ("terminate called without an active exception"). That abort was seen twice in the killed-rank
+    restart test under load, each time after a run that had finished and printed its summary, and
+    it turns a complete run into a failed one for the launcher and any scheduler behind it."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    raise SystemExit(code)
