@@ -16,11 +16,12 @@ exit_process(3)
 """
 
 
-@pytest.mark.parametrize("world_size, finalized", [("2", False), ("1", True), (None, True)])
-def test_a_launched_worker_ends_with_its_code_and_its_output_without_finalization(world_size, finalized):
-    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
-    if world_size is not None:
-        env["WORLD_SIZE"] = world_size
+@pytest.mark.parametrize("variable, world_size, finalized", [
+    ("WORLD_SIZE", "2", False), ("SLURM_NTASKS", "4", False), ("WORLD_SIZE", "1", True), (None, None, True)])
+def test_a_launched_worker_ends_with_its_code_and_its_output_without_finalization(variable, world_size, finalized):
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "SLURM_NTASKS")}
+    if variable is not None:
+        env[variable] = world_size
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 3
     assert out.stdout.startswith("summary")

@@ -25,14 +25,16 @@ def process_peak_rss_bytes() -> int:
 
 
 def exit_process(code: int) -> NoReturn:
-    """End the process with `code`. A worker of a multi-process launch (torchrun sets WORLD_SIZE)
-    ends without the interpreter's finalization, once its output is flushed: by then the command
-    has closed its metrics, checkpoints, loaders and process groups, and what finalization still
-    destroys can include a gloo group whose worker threads are alive, which aborts the process
-    ("terminate called without an active exception"). That abort was seen twice in the killed-rank
-    restart test under load, each time after a run that had finished and printed its summary, and
-    it turns a complete run into a failed one for the launcher and any scheduler behind it."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    """End the process with `code`. A worker of a multi-process launch (WORLD_SIZE from torchrun,
+    or SLURM_NTASKS from srun, above 1, as `cluster.dist` reads them) ends without the interpreter's
+    finalization, once its output is flushed. By then the command has closed its metrics,
+    checkpoints, loaders and process groups; what finalization still destroys can include a gloo
+    group whose worker threads are alive, and that aborts the process ("terminate called without
+    an active exception"). The abort was seen twice in the killed-rank restart test under load,
+    each time after a run that had finished and printed its summary: a complete run reported as a
+    failed one to the launcher, and to any scheduler behind it."""
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
+    if world.isdigit() and int(world) > 1:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
