@@ -322,13 +322,13 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     seq, opt = cfg.train.seq_len, cfg.train.optimizer
     link = cfg.memory.link_gbps * 1e9 if cfg.memory.link_gbps else None
     kinds = []
+    gpu_compiles = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]  # a card of the table is a GPU
     for (kind, mem_gb, speed), count in counts.items():
         card = lookup(kind) if kind != "cpu" else None
         if card is not None:  # a GPU of the table: its analytic profile, its usable memory
             budget = mem_gb * 2**30 if mem_gb else usable_bytes(card)
             at = (lambda b, card=card: analytic_profile(model_cfg, b, seq, card, opt, PROFILE_CACHE,
                                                         pad_head_dim=cfg.model.pad_head_dim))
-            gpu_compiles = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]
             kinds.append(DeviceKind(kind, count, budget, at, compiled=gpu_compiles))
             continue
         if mem_gb is None:

@@ -259,9 +259,10 @@ def test_a_compiled_run_plans_without_rebuilding():
 @pytest.mark.parametrize("drift", [0.0, 0.004, -0.003])
 def test_a_price_is_its_option_against_the_base_runs_beside_it(drift):
     """The profile prices an option by its time less the mean of the base runs just before and just
-    after it, each run warmed up by one of its own: on a machine whose step time drifts linearly (a synthetic clock, no timing), every
-    round's price is the option's own extra time exactly, in every shuffled order; priced against the
-    round's one base run instead, the drift times the runs between them would be added."""
+    after it, each run warmed up by one of its own: on a machine whose step time drifts linearly (a
+    synthetic clock, no timing), every round's price is the option's own extra time exactly, in
+    every shuffled order; priced against the round's one base run instead, the drift times the runs
+    between them would be added."""
     from hetforge.memory.profile import sandwiched
 
     cost = {"keep": 0.0, "a": 0.003, "b": 0.011, "c": -0.002, "d": 0.0}

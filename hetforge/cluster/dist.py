@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hetforge.core.errors import HetforgeError
+from hetforge.core.process import env_int, launch_world_size
 
 
 class ClusterError(HetforgeError, RuntimeError):
@@ -59,25 +60,13 @@ class DistContext:
         return self.world_size > 1
 
 
-def _env_int(*names: str, default: int | None = None) -> int | None:
-    for n in names:
-        if os.environ.get(n, "") != "":
-            return int(os.environ[n])
-    return default
-
-
-def launch_world_size() -> int:
-    """How many ranks the launcher started, known before any connection is made."""
-    return _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-
-
 def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_timeout_s: float) -> DistContext:
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    world = launch_world_size()
     if world <= 1:
         return DistContext(host=os.uname().nodename)
-    rank = _env_int("RANK", "SLURM_PROCID")
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    node_rank = _env_int("GROUP_RANK", "SLURM_NODEID", default=0)
+    rank = env_int("RANK", "SLURM_PROCID")
+    local_rank = env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    node_rank = env_int("GROUP_RANK", "SLURM_NODEID", default=0)
     if rank is None:
         raise ClusterError("WORLD_SIZE > 1 but no RANK (launch with torchrun or srun)")
     backend = "nccl" if device_type == "cuda" else "gloo"
@@ -92,7 +81,7 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
     # a rank failure and a torchrun restart, peers must not find the dead workers' addresses.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     addr = os.environ.get("MASTER_ADDR")
-    port = _env_int("MASTER_PORT")
+    port = env_int("MASTER_PORT")
     if not addr or port is None:
         raise ClusterError(f"rank {rank} of {world}: set MASTER_ADDR and MASTER_PORT (or launch with torchrun)")
     try:

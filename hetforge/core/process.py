@@ -24,17 +24,34 @@ def process_peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB elsewhere
 
 
+def env_int(*names: str, default: int | None = None) -> int | None:
+    """The first of these environment variables that is set, as an integer (torchrun's name first,
+    then srun's)."""
+    for n in names:
+        if os.environ.get(n, "") != "":
+            return int(os.environ[n])
+    return default
+
+
+def launch_world_size() -> int:
+    """How many ranks the launcher started, known before any connection is made."""
+    return env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+
+
 def exit_process(code: int) -> NoReturn:
     """End the process with `code`. A worker of a multi-process launch (WORLD_SIZE from torchrun,
-    or SLURM_NTASKS from srun, above 1, as `cluster.dist` reads them) ends without the interpreter's
+    or SLURM_NTASKS from srun, above 1: `launch_world_size`) ends without the interpreter's
     finalization, once its output is flushed. By then the command has closed its metrics,
     checkpoints, loaders and process groups; what finalization still destroys can include a gloo
     group whose worker threads are alive, and that aborts the process ("terminate called without
     an active exception"). The abort was seen twice in the killed-rank restart test under load,
     each time after a run that had finished and printed its summary: a complete run reported as a
     failed one to the launcher, and to any scheduler behind it."""
-    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or "1"
-    if world.isdigit() and int(world) > 1:
+    try:
+        launched = launch_world_size() > 1
+    except ValueError:  # a variable that is no count: the command ran as one process
+        launched = False
+    if launched:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
