@@ -14,10 +14,13 @@ Strategies: keep-all; full checkpointing (every block recomputed); sqrt(n) segme
 recompute-only MILP (Checkmate's problem, tensor level); PyTorch's own automatic budget
 (`torch._functorch.config.activation_memory_budget` under `torch.compile`, the anchor a PyTorch user
 already has); hetforge's MILP (keep / recompute / offload / rebuild per tensor), eager, and the
-plan a compiled run makes (`memory.rebuild: auto`, no rebuilding) on hetforge's compiled blocks
-(`train.compile`: branches kept or recomputed whole run compiled, those that cache or offload units
-eager). Compiled code is timed against torch.compile's keep-all compile (budget 1.0), each compiled run side by side with eager keep-all, since compilation speeds up a step
-by itself; eager plans are timed against eager keep-all.
+plan a compiled run makes on hetforge's compiled blocks (`train.compile`), from a compiled profile
+(`profile_model(compiled=True)`): no rebuilding (`memory.rebuild: auto`), and per kept branch a
+compile budget (`memory.compiled`: the partitioner's own recomputation inside the compiled branch);
+branches kept or recomputed whole run compiled, those that cache or offload units eager. Compiled
+code is timed against torch.compile's keep-all compile (budget 1.0), each compiled run side by side
+with eager keep-all, since compilation speeds up a step by itself; eager plans are timed against
+eager keep-all.
 
 A strategy fits a budget when its measured activation peak is within it. Goal: at every budget
 hetforge's plan is never slower than a baseline that fits, eager against eager and compiled against
@@ -175,6 +178,8 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
     # seconds, and a profile timed in a fast or slow stretch prices every plan off by it, while the
     # rounds below, minutes long, see the machine's average.
     prof = profile_model(cfg, batch, seq, repeats=5, min_seconds=profile_seconds)
+    # what a compiled run plans on: its branches timed compiled, and their compile budgets
+    prof_c = profile_model(cfg, batch, seq, repeats=5, min_seconds=profile_seconds, compiled=True) if use_compile else None
     n = cfg.n_layers
     model = GPTNeoX(cfg)
     state = copy.deepcopy(model.state_dict())
@@ -194,8 +199,12 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
     known = {json.dumps([p.options, p.segments]): k for k, p in plans.items()}
     chosen: dict[tuple[float, str], str] = {}
     solve_s = {}
-    # what a compiled run plans (`memory.rebuild: auto`): no rebuilding, which would run its branch eager
+    # what a compiled run plans (`memory.rebuild: auto`: no rebuilding, which would run its branch eager),
+    # on its own profile, at the same fraction of its keep-all activations
     for_compiled: dict[float, Plan] = {}
+    if prof_c is not None:
+        keep_c = simulate(prof_c, Plan(["keep"] * n))
+        base_c = prof_c.static_bytes + prof_c.shared_bytes
     for f in fracs:
         budget = base + f * (keep_pred.peak_bytes - base)
         for strat, menu in (("recompute-only MILP", menu_for("tensor", recompute_only=True)),
@@ -212,8 +221,9 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
             chosen[(f, strat)] = key
             solve_s[(f, strat)] = p.solve["seconds"]
         if use_compile and (f, "hetforge MILP") in chosen:
-            try:  # rebuilding reaches lower: the smallest budgets have no plan without it
-                for_compiled[f] = solve(prof, budget * (1 + 1e-9), menu_for("tensor", rebuild=False))
+            try:  # rebuilding reaches lower: the smallest budgets may have no plan without it
+                for_compiled[f] = solve(prof_c, (base_c + f * (keep_c.peak_bytes - base_c)) * (1 + 1e-9),
+                                        menu_for("tensor", rebuild=False))
             except PlanError:
                 pass
 
@@ -259,7 +269,7 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
         torch._dynamo.reset()
         hmodel = GPTNeoX(cfg)
         hmodel.load_state_dict(state)
-        compile_blocks(hmodel)
+        compile_blocks(hmodel, whole_chain=True)  # one process: the chain compiled whole where no plan splits it
         hst = Stepper(hmodel, idx)
         for f in fracs:
             if f not in for_compiled:
@@ -271,6 +281,8 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
             het_compiled[f] = {"vs_eager_keep": [c / e for c, e in zip(t["compiled"], t["eager keep-all"])],
                                "peak": hst.peak()}
             het_compiled[f]["rel"] = [x / own for x in het_compiled[f]["vs_eager_keep"]]
+            het_compiled[f]["predicted"] = simulate(prof_c, plan).time_s / keep_c.time_s
+            het_compiled[f]["plan"] = plan.options
 
     rows, goal_ok, half_ok = [], True, None
     for f in fracs:
@@ -293,7 +305,10 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
                 fits = r["peak"] <= cap * 1.0001
                 entry[s] = {"time": round(statistics.median(r["rel"]), 4), "memory": round(r["peak"] / ref_m, 4),
                             "fits": fits, "time_vs_eager_keep_all": round(statistics.median(r["vs_eager_keep"]), 4)}
-                line.append(f"{label} {entry[s]['time']:.3f}x/{r['peak'] / ref_m:.2f}{'' if fits else ' (over)'}")
+                if "predicted" in r:
+                    entry[s].update(predicted_time=round(r["predicted"], 4), plan=r["plan"])
+                line.append(f"{label} {entry[s]['time']:.3f}x/{r['peak'] / ref_m:.2f}{'' if fits else ' (over)'}"
+                            + (f" (p {r['predicted']:.3f})" if "predicted" in r else ""))
         if f in het_compiled:  # against torch.compile's budget: compiled code against compiled code
             h = het_compiled[f]
             c = compiled.get(f)

@@ -333,9 +333,10 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
             continue
         if mem_gb is None:
             raise ConfigError(f"{path}: device {kind!r} needs memory_gb: the plan is made for its memory")
-        at = (lambda b: profile_model(model_cfg, b, seq, precision, device, link, opt, PROFILE_CACHE))
-        kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0,
-                                compiled=compile_decision(cfg.train.compile, torch.device(device), True)[0]))
+        local_compiles = compile_decision(cfg.train.compile, torch.device(device), True)[0]
+        at = (lambda b: profile_model(model_cfg, b, seq, precision, device, link, opt, PROFILE_CACHE,
+                                      compiled=local_compiles))
+        kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0, compiled=local_compiles))
     pc = cfg.parallel
     link_bps = (pc.link_gbps or 10.0) * 1e9
     gather = 4 if precision == "fp32" else 2

@@ -320,7 +320,8 @@ class MemoryConfig(_Strict):
     # optimizer state (and its step) in host memory: auto = only where nothing fits otherwise
     optimizer_offload: Literal["auto", "on", "off"] = "auto"
     # a kept branch may rebuild cheap units in the backward (`memory.units`): auto = where the run
-    # does not compile its blocks (a branch that rebuilds runs eager, which the eager prices miss)
+    # does not compile its blocks (a branch that rebuilds runs eager; a compiled run has the
+    # partitioner's recomputation per branch instead, `memory.compiled`)
     rebuild: Literal["auto", "on", "off"] = "auto"
 
     @field_validator("optimizer_offload", "rebuild", mode="before")

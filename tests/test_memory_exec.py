@@ -275,3 +275,32 @@ def test_plan_command_tables_files_and_errors(make_cfg, tmp_path, capsys):
     assert "optimizer state in host memory" in capsys.readouterr().out
     assert main(["plan", str(path), "--budget", "1MiB", "--device", "cpu", "--out", str(out)]) == 2
     assert "below the weights + gradients alone" in capsys.readouterr().err
+
+
+def test_a_keep_all_plan_runs_the_plain_chain_between_measured_steps():
+    """Keep-all has nothing to do per block: unmeasured steps run the chain the plan wraps (compiled
+    whole where the run compiles it, `memory.compiled.compile_blocks`), a measured step runs the
+    runner, which counts what is saved; any other plan always runs the runner; and unwrapping gives
+    the model its own chain back."""
+    torch.manual_seed(0)
+    cfg = _cfg(True)
+    model = GPTNeoX(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 33))
+    ref, _ = _step(model, idx)
+    chain = model.layers
+    calls = []
+    own = chain.forward
+    chain.forward = lambda *a: (calls.append(1), own(*a))[1]
+    runner = apply_plan(model, Plan(["keep"] * cfg.n_layers), measure=True)
+    got, _ = _step(model, idx)
+    assert calls == [] and runner.ledger.peak_device > 0
+    runner.measure = False
+    got, _ = _step(model, idx)
+    assert calls == [1]
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    apply_plan(model, Plan(["recompute-mlp"] * cfg.n_layers), measure=False)
+    _step(model, idx)
+    assert calls == [1]
+    apply_plan(model, None)
+    assert model.layers is chain

@@ -79,6 +79,18 @@ def test_block_milp_equals_brute_force(seed, frac):
     assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
 
 
+def solved_like_brute_force(prof: ModelProfile, menu, frac: float) -> Plan:
+    """The MILP's plan at `frac` of the way from the minimum to keep-all, checked: within the budget
+    and as fast as the best plan enumeration finds."""
+    budget = budget_between(prof, menu, frac)
+    best = brute_force(prof, budget, menu)
+    plan = solve(prof, budget, menu, gap=0.0)
+    pred = simulate(prof, plan)
+    assert best is not None and pred.peak_bytes <= budget * (1 + 1e-9)
+    assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+    return plan
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("frac", [0.8, 0.4, 0.1])
@@ -89,12 +101,59 @@ def test_tensor_milp_equals_brute_force(seed, frac, overlap):
     prof.overlap = overlap
     menu = TensorMenu()
     assert len(menu.decisions(prof.blocks[0])) > 50
-    budget = budget_between(prof, menu, frac)
-    best = brute_force(prof, budget, menu)
-    plan = solve(prof, budget, menu, gap=0.0)
-    pred = simulate(prof, plan)
-    assert best is not None and pred.peak_bytes <= budget * (1 + 1e-9)
-    assert pred.time_s == pytest.approx(best[0], rel=1e-6, abs=1e-9)
+    solved_like_brute_force(prof, menu, frac)
+
+
+def compiled_profile(n: int, seed: int, link_mb_s: float) -> ModelProfile:
+    """A compiled run's profile: per branch three compile budgets, each saving a share of the
+    branch's units for a price below the branch's plain recomputation, and a price for running the
+    branch eager (to offload or rebuild a unit)."""
+    prof = synthetic(n, seed, link_mb_s, units_per_branch=1)
+    rng = random.Random(seed + 100)
+    for blk in prof.blocks:
+        for br in ("attn", "mlp"):
+            saved = sum(u.bytes for u in blk.of("saved", br))
+            plain = blk.recompute[br]["plain"]
+            blk.recompute[br]["eager"] = rng.uniform(0.1, 0.6) * plain
+            blk.compiled[br] = {f"{b:g}": {"held": saved * share, "time_s": plain * cost}
+                                for b, share, cost in ((0.7, rng.uniform(0.5, 0.8), rng.uniform(0.0, 0.1)),
+                                                       (0.5, rng.uniform(0.3, 0.5), rng.uniform(0.2, 0.5)),
+                                                       (0.0, 0.01, rng.uniform(0.5, 0.9)))}
+    return prof
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("frac", [0.8, 0.5, 0.2])
+def test_milp_with_compile_budgets_equals_brute_force(frac, overlap):
+    """A compiled profile's menu: each kept branch may instead run at one of its compile budgets
+    (no unit offloaded or rebuilt then), and one that offloads or rebuilds pays for running eager."""
+    prof = compiled_profile(2, 8, link_mb_s=[1500.0, 6000.0][overlap])
+    prof.overlap = overlap
+    menu = TensorMenu()
+    options = menu.decisions(prof.blocks[0])
+    assert any("@0.5" in o for o in options) and not any("@" in o for o in TensorMenu().decisions(synthetic(1, 8).blocks[0]))
+    plan = solved_like_brute_force(prof, menu, frac)
+    if frac == 0.8:  # the budgets are the cheap way down here: the plan uses one
+        assert any("@" in o for o in plan.options)
+
+
+def test_a_compile_budget_costs_what_was_measured_and_reads_back():
+    blk = compiled_profile(1, 9, 2000.0).blocks[0]
+    d = Decision(BranchPlan("keep", budget=0.5), BranchPlan("keep"))
+    text = d.encode()
+    assert text.startswith("attn:keep@0.5 | mlp:keep") and Decision.parse(text) == d
+    keep, at = blk.cost("keep"), blk.cost(text)
+    attn_saved = sum(u.bytes for u in blk.of("saved", "attn"))
+    assert at.held == pytest.approx(keep.held - attn_saved + blk.compiled["attn"]["0.5"]["held"])
+    assert at.recompute_s == pytest.approx(blk.compiled["attn"]["0.5"]["time_s"])
+    # offloading a unit runs the kept branch eager in a compiled run: its price is added once
+    off = Decision(BranchPlan("keep", frozenset({"attn.s0"})), BranchPlan("keep")).encode()
+    assert blk.cost(off).recompute_s == pytest.approx(blk.eager_s("attn"))
+    for bad in ("attn:recompute@0.5 | mlp:keep", "attn:keep@0.5-offload[s0] | mlp:keep", "attn:keep@1.5 | mlp:keep"):
+        with pytest.raises(ValueError, match="compile budget"):
+            Decision.parse(bad)
+    with pytest.raises(ValueError, match="no measurement"):
+        blk.cost("attn:keep@0.3 | mlp:keep")
 
 
 def test_a_block_recomputing_both_branches_costs_what_the_pair_measured():

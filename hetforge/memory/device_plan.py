@@ -76,7 +76,8 @@ def plan_device(
     """Profile this device and plan on it. Raises PlanError (naming the smallest feasible budget)
     when nothing fits."""
     link = mem_cfg.link_gbps * 1e9 if mem_cfg.link_gbps else None
-    prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir)
+    prof = profile_model(model_cfg, micro_batch, seq_len, precision, device, link, optimizer, cache_dir,
+                         compiled=compiled)
     prof.workspace_bytes = workspace_bytes
     return plan_profile(prof, model_cfg, mem_cfg, micro_batch, budget, optimizer, layout, compiled)
 
@@ -89,7 +90,8 @@ def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_ba
     fits beside the optimizer's state, since the host step and the copies cost time every step.
     Under a sharded `layout` the static bytes are its shards and gathered units, and the host
     optimizer is not an option (a sharded run offloads with parallel.offload=params). `compiled`:
-    the run compiles its blocks, so `memory.rebuild: auto` offers no rebuilding (see `rebuild_units`)."""
+    the run compiles its blocks, so `memory.rebuild: auto` offers no rebuilding (see `rebuild_units`);
+    a compiled profile (`profile_model(compiled=True)`) adds compile budgets to the menu."""
     layout = layout or ShardLayout()
     mode = mem_cfg.optimizer_offload if layout.strategy == "ddp" else "off-sharded"
     offload = mode == "on"
@@ -121,10 +123,10 @@ def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_ba
 
 def rebuild_units(mem_cfg, compiled: bool) -> bool:
     """Whether plans may rebuild units (`memory.rebuild`). Auto: only where the blocks run eager. A
-    rebuilding branch runs eager, and the plan is priced on the eager profile, so on a compiled run
-    it would give up the compiled branch for a price that does not show it: on the bench's CPU a
-    compiled plan that rebuilt its MLPs ran at 1.12x of torch.compile's keep-all against 0.99x for
-    torch.compile's own budget."""
+    rebuilding branch runs eager, giving up its compiled kernels: on the bench's CPU a compiled plan
+    that rebuilt its MLPs ran at 1.12x of torch.compile's keep-all against 0.99x for torch.compile's
+    own budget. A compiled run has the partitioner's recomputation instead (compile budgets,
+    `memory.compiled`), which makes again what rebuilding would, inside the compiled backward."""
     return mem_cfg.rebuild == "on" or (mem_cfg.rebuild == "auto" and not compiled)
 
 

@@ -2,7 +2,9 @@
 hooks that copy to the host after the forward and prefetch one block ahead of the backward, or that
 store nothing and run the op that made the unit again when the backward unpacks it), or recompute the
 branch (non-reentrant `torch.utils.checkpoint`) caching the op units the plan names (selective
-activation checkpointing). Numerics are unchanged: the same ops run on the same values.
+activation checkpointing), or run a kept branch compiled at a partitioner budget under 1
+(`memory.compiled`). Numerics are unchanged: the same ops run on the same values (a compiled branch
+up to its kernels' rounding).
 
 One `saved_tensors_hooks` pair wraps the block loop. Only the innermost hook fires, so inside a
 checkpointed branch it sees just the checkpoint's saved inputs, which is what that branch keeps on
@@ -28,7 +30,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from hetforge.memory.plan import ALL, BRANCHES, Decision, Plan, resolve_option
+from hetforge.memory.compiled import compiled_at
+from hetforge.memory.plan import ALL, BRANCHES, BranchPlan, Decision, Plan, resolve_option
 from hetforge.memory.units import (Labeller, is_view_op, rebuild_fn, rebuilds, remade_by_op, storage_key, tensor_bytes,
                                    view_key)
 from hetforge.model.gpt_neox import Blocks
@@ -233,9 +236,14 @@ class PlanRunner:
         self._state: dict[int, _BlockState] = {}
         self._in_segment: set[int] = set()
         self._handles: list = []  # the labeller's module hooks, removed when the plan is replaced
+        self._budgeted: dict[tuple, object] = {}  # (block, branch, budget) -> the branch compiled at it
         # Count every saved byte in the ledger. Off, blocks that only keep or recompute run without
         # the saved-tensor hooks (their Python cost per tensor); the training loop measures one step.
         self.measure = True
+        # nothing to do per block (keep-all): unmeasured steps run the plain chain, compiled whole
+        # where the run compiles it (`compiled.compile_blocks`)
+        self.plain_keep = not plan.segments and all(d == Decision(BranchPlan("keep"), BranchPlan("keep"))
+                                                    for d in self.decisions)
 
     # --- saved-tensor hooks ---------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
@@ -348,6 +356,11 @@ class PlanRunner:
         mode = "keep" if block in self._in_segment else bp.mode
         if per_op_decisions(bp):
             fn = eager(fn)
+        elif mode == "keep" and bp.budget < 1:
+            key = (block, name, bp.budget)
+            if key not in self._budgeted:
+                self._budgeted[key] = compiled_at(eager(fn), bp.budget)
+            fn = self._budgeted[key]
         st = self._state[block]
         if name == "mlp" and storage_key(args[0]) not in st.inputs:
             st.inputs[storage_key(args[0])] = "mlp.input"  # sequential residual: x + attention
@@ -453,8 +466,11 @@ class PlannedBlocks(Blocks):
     def __init__(self, blocks: Blocks, runner: PlanRunner):
         super().__init__(list(blocks))
         self.runner = runner
+        self.__dict__["plain"] = blocks  # the chain it wraps (not a submodule: its blocks are these)
 
     def forward(self, x, cos, sin):
+        if self.runner.plain_keep and not self.runner.measure:
+            return self.plain(x, cos, sin)
         return self.runner(self, x, cos, sin)
 
 
@@ -471,14 +487,14 @@ def apply_plan(model: torch.nn.Module, plan: Plan | None, measure: bool = True) 
     old = runner_of(core)
     for h in getattr(old, "_handles", []):
         h.remove()
+    plain = core.layers.plain if isinstance(core.layers, PlannedBlocks) else core.layers
     if plan is None:
-        if old is not None:
-            core.layers = Blocks(list(core.layers))
+        core.layers = plain
         return None
     if len(plan.options) != len(core.layers):
         raise ValueError(f"plan is for {len(plan.options)} blocks, the model has {len(core.layers)}")
     runner = PlanRunner(plan, parameter_storages(core), core.cfg.parallel_residual, random=core.cfg.dropout > 0)
     runner._handles = runner.install_labels(core.layers)
     runner.measure = measure
-    core.layers = PlannedBlocks(core.layers, runner)
+    core.layers = PlannedBlocks(plain, runner)
     return runner

@@ -2,8 +2,8 @@
 
 The MILP mirrors `plan.simulate` exactly, so its optimum is the optimum of the simulator over the
 menu (the tests check this against enumeration of every plan). Per block either one binary per
-named option, or (granularity "tensor") binaries per branch, saved unit, op unit and input whose
-sums give the block's held bytes, host bytes and recompute time; a continuous running sum of held bytes (so each stage's memory row has O(menu) terms, not O(n));
+named option, or (granularity "tensor") binaries per branch, saved unit, op unit, input and
+compile budget whose sums give the block's held bytes, host bytes and recompute time; a continuous running sum of held bytes (so each stage's memory row has O(menu) terms, not O(n));
 one continuous stall per stage, at least the overlapping transfer minus the stage's compute.
 Memory is in MiB and time in ms to keep the coefficients near 1.
 """
@@ -21,7 +21,7 @@ from hetforge.core.errors import HetforgeError
 from hetforge.core.sizes import format_bytes
 from hetforge.memory.minimum import feasible_plan, minimum_peak
 from hetforge.memory.plan import (ALL, BRANCHES, MENUS, RECOMPUTE_ONLY, BlockProfile, BranchPlan, Decision, ModelProfile, Plan,
-                                  simulate, sqrt_segments)
+                                  budget_key, simulate, sqrt_segments)
 
 MIB = 2.0**20
 MS = 1e3
@@ -38,9 +38,10 @@ class PlanError(HetforgeError, ValueError):
 
 class TensorMenu:
     """Granularity "tensor": per branch keep or recompute; in a kept branch each saved unit on the
-    device, offloaded or (where the profile prices it) rebuilt in the backward, in a recomputed one
-    each op unit cached or recomputed; inputs offloadable. `offload=False` is Checkmate's problem
-    (recomputation only, rebuilding included: it is recomputation of one op)."""
+    device, offloaded or (where the profile prices it) rebuilt in the backward, or (where a compiled
+    profile measured them) the whole branch at a compile budget; in a recomputed one each op unit
+    cached or recomputed; inputs offloadable. `offload=False` is Checkmate's problem (recomputation
+    only, rebuilding and compile budgets included: both are recomputation)."""
 
     def __init__(self, offload: bool = True, rebuild: bool = True):
         self.offload, self.rebuild = offload, rebuild
@@ -61,6 +62,7 @@ class TensorMenu:
             # each saved unit kept, offloaded or rebuilt (never both)
             keep = [BranchPlan("keep", off, made) for off in subsets(movable) for made in subsets(makeable)
                     if not off & made]
+            keep += [BranchPlan("keep", budget=b) for b in blk.budgets(br)]  # a compiled run's profile
             rec = [BranchPlan("recompute", u) for u in subsets([u.name for u in blk.of("op", br)])]
             per_branch[br] = keep + rec
         out = []
@@ -125,6 +127,31 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             held = held - _c(u.rebuild_bytes / MIB, m)
             rec = rec + _c(u.time_s * MS, m)
     for br in BRANCHES:
+        # a compiled run's kept branch runs eager once it offloads or rebuilds any unit
+        per_op = [v for u in blk.of("saved", br) for v in (off.get(u.name), made.get(u.name)) if v is not None]
+        if per_op and blk.eager_s(br) > 1e-12:
+            e = h.addVariable(lb=0, ub=1)
+            for v in per_op:
+                h.addConstr(e - v >= 0)
+            rec = rec + _c(blk.eager_s(br) * MS, e)
+    budgets = {}
+    for br in BRANCHES:
+        # A kept branch compiled at a budget under 1 (a compiled run's profile): its measured bytes
+        # replace its saved units', whose offload and rebuild binaries it excludes.
+        zs = budgets[br] = {b: h.addBinary() for b in blk.budgets(br)}
+        if not zs:
+            continue
+        h.addConstr(r[br] + sum(zs.values()) <= 1)
+        saved = blk.of("saved", br)
+        for u in saved:
+            if u.name in off or u.name in made:
+                h.addConstr(off.get(u.name, 0.0) + made.get(u.name, 0.0) + sum(zs.values()) <= 1)
+        units_mib = sum(u.bytes for u in saved) / MIB
+        for b, z in zs.items():
+            fig = blk.compiled[br][budget_key(b)]
+            held = held + _c(fig["held"] / MIB - units_mib, z)
+            rec = rec + _c(fig["time_s"] * MS, z)
+    for br in BRANCHES:
         # A recomputed branch costs its plain checkpoint; caching any op unit switches it to selective
         # checkpointing (`sac`: fixed cost, then each cached unit saves its time).
         ops = blk.of("op", br)
@@ -182,6 +209,8 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
         for br in BRANCHES:
             if h.val(r[br]) > 0.5:
                 plans[br] = BranchPlan("recompute", frozenset(k for k in chosen(cache) if k.startswith(br + ".")))
+            elif any(h.val(z) > 0.5 for z in budgets[br].values()):
+                plans[br] = BranchPlan("keep", budget=next(b for b, z in budgets[br].items() if h.val(z) > 0.5))
             else:
                 plans[br] = BranchPlan("keep", frozenset(k for k in chosen(off) if k.startswith(br + ".")),
                                        frozenset(k for k in chosen(made) if k.startswith(br + ".")))
@@ -194,12 +223,14 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
         for br in BRANCHES:
             bp = d.branch(br)
             vals.append((r[br], float(bp.mode == "recompute")))
+            vals.extend((z, float(bp.mode == "keep" and bp.budget == b)) for b, z in budgets[br].items())
             for u in blk.of("saved", br):
-                offloaded = bp.mode == "keep" and (ALL in bp.units or u.name in bp.units)
+                offloaded = bp.mode == "keep" and bp.budget == 1 and (ALL in bp.units or u.name in bp.units)
                 if u.name in off:
                     vals.append((off[u.name], float(offloaded)))
                 if u.name in made:
-                    vals.append((made[u.name], float(bp.mode == "keep" and not offloaded and u.name in bp.rebuilt)))
+                    vals.append((made[u.name], float(bp.mode == "keep" and bp.budget == 1 and not offloaded
+                                                     and u.name in bp.rebuilt)))
             for v in blk.of("op", br):
                 vals.append((cache[v.name], float(bp.mode == "recompute" and v.name in bp.units)))
         keepers = {br for br in BRANCHES if d.branch(br).mode == "keep"}

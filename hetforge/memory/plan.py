@@ -69,6 +69,10 @@ class BranchPlan:
     mode: str  # "keep" (saved units kept or offloaded) | "recompute" (op units cached or recomputed)
     units: frozenset = frozenset()  # keep: the saved units offloaded; recompute: the op units cached
     rebuilt: frozenset = frozenset()  # keep: the saved units rebuilt in the backward (`units.rebuilds`)
+    # keep, under 1: the branch runs compiled with the partitioner's activation memory budget at this
+    # value, recomputing in its backward what the partitioner chose not to save (`memory.compiled`);
+    # its saved units are the compiled graph's, so none is offloaded or rebuilt one by one
+    budget: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ class Decision:
             names = sorted(u.split(".", 1)[1] if "." in u else u for u in bp.units)
             verb = "offload" if bp.mode == "keep" else "cache"
             rebuilt = sorted(u.split(".", 1)[1] for u in bp.rebuilt)
-            parts.append(f"{br}:{bp.mode}" + (f"-{verb}[{','.join(names)}]" if names else "")
+            parts.append(f"{br}:{bp.mode}" + (f"@{bp.budget:g}" if bp.budget < 1 else "")
+                         + (f"-{verb}[{','.join(names)}]" if names else "")
                          + (f"-rebuild[{','.join(rebuilt)}]" if rebuilt else ""))
         if self.offload_inputs:
             parts.append(f"offload[{','.join(sorted(self.offload_inputs))}]")
@@ -99,14 +104,18 @@ class Decision:
     def parse(cls, text: str) -> "Decision":
         branches, inputs = {}, frozenset()
         for part in text.split(" | "):
-            m = re.fullmatch(r"(attn|mlp):(keep|recompute)(?:-(?:offload|cache)\[([^\]]*)\])?(?:-rebuild\[([^\]]*)\])?",
-                             part.strip())
+            m = re.fullmatch(r"(attn|mlp):(keep|recompute)(?:@([0-9.]+))?(?:-(?:offload|cache)\[([^\]]*)\])?"
+                             r"(?:-rebuild\[([^\]]*)\])?", part.strip())
             if m:
-                br, mode, names, rebuilt = m.groups()
+                br, mode, budget, names, rebuilt = m.groups()
                 if rebuilt and mode != "keep":
                     raise ValueError(f"block decision {text!r}: only a kept branch rebuilds units")
+                if budget is not None and (mode != "keep" or names or rebuilt or not 0 <= float(budget) < 1):
+                    raise ValueError(f"block decision {text!r}: a compile budget (@b, 0 <= b < 1) is for a kept "
+                                     "branch that offloads and rebuilds nothing")
                 units = frozenset(n if n == ALL else f"{br}.{n}" for n in (names or "").split(",") if n)
-                branches[br] = BranchPlan(mode, units, frozenset(f"{br}.{n}" for n in (rebuilt or "").split(",") if n))
+                branches[br] = BranchPlan(mode, units, frozenset(f"{br}.{n}" for n in (rebuilt or "").split(",") if n),
+                                          1.0 if budget is None else float(budget))
                 continue
             m = re.fullmatch(r"offload\[([^\]]*)\]", part.strip())
             if not m:
@@ -128,6 +137,11 @@ def resolve_option(option: str, input_users: dict[str, tuple[str, ...]]) -> Deci
     # a shared input goes to the host only when every branch that saves it offloads
     inputs = frozenset(n for n, users in input_users.items() if all(modes[b] == "offload" for b in users))
     return Decision(plans["attn"], plans["mlp"], inputs)
+
+
+def budget_key(budget: float) -> str:
+    """How a compile budget is written in a profile (JSON keys are strings)."""
+    return f"{budget:g}"
 
 
 @dataclass(frozen=True)
@@ -160,9 +174,15 @@ class BlockProfile:
     # add up to sac - sac_all). Without these figures a branch costs just its units' time.
     # "both": {"plain": seconds} with both branches recomputed by plain checkpoints, measured as a
     # whole: the two do not add up (on small blocks on the CPU the pair cost 0.7-0.94x the sum).
-    # `both_extra_s` is the difference.
+    # `both_extra_s` is the difference. A compiled run's profile adds per branch "eager": what the
+    # kept branch adds run eager (to offload or rebuild units) over the branch compiled; its
+    # "rebuild" is then the rebuilding alone.
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
     timing_depth: int = 1  # copies of the block its times were taken over, in a row (`memory.profile`)
+    # A compiled run's profile: per branch, per compile budget under 1 (`budget_key`), the bytes the
+    # kept branch saves compiled at that budget (its input aside) and the seconds it adds to the step
+    # over the branch compiled plainly: {"held": bytes, "time_s": seconds}
+    compiled: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._costs: dict[str, OptionCost] = {}
@@ -174,6 +194,15 @@ class BlockProfile:
             got = self._of[(kind, branch)] = [u for u in self.units
                                               if u.kind == kind and (branch is None or u.branch == branch)]
         return got
+
+    def eager_s(self, branch: str) -> float:
+        """What a kept branch adds to the step when it runs eager to offload or rebuild units in a
+        run that compiles its blocks (measured in a compiled profile; 0 in an eager one)."""
+        return max(0.0, self.recompute.get(branch, {}).get("eager", 0.0))
+
+    def budgets(self, branch: str) -> list[float]:
+        """The compile budgets this profile has measured for a kept branch (none for eager runs)."""
+        return sorted(float(b) for b in self.compiled.get(branch, {}))
 
     def decision(self, option: str) -> Decision:
         return resolve_option(option, {u.name: u.users for u in self.of("input")})
@@ -189,10 +218,12 @@ class BlockProfile:
         out = []
         for br in BRANCHES:
             bp = d.branch(br)
-            if bp.mode == "keep":
+            if bp.mode == "keep" and bp.budget < 1:
+                out.append(("keep", frozenset(), frozenset(), bp.budget))
+            elif bp.mode == "keep":
                 names = {u.name for u in self.of("saved", br)}
                 off = frozenset(names if ALL in bp.units else bp.units & names)
-                out.append(("keep", off, frozenset(n for n in bp.rebuilt if n in self.rebuildable) - off))
+                out.append(("keep", off, frozenset(n for n in bp.rebuilt if n in self.rebuildable) - off, 1.0))
             else:
                 out.append(("recompute", frozenset(bp.units & {u.name for u in self.of("op", br)})))
         keepers = {b for b in BRANCHES if d.branch(b).mode == "keep"}
@@ -227,15 +258,27 @@ class BlockProfile:
         plain = 0  # branches recomputed by a plain checkpoint
         for br in BRANCHES:
             bp = d.branch(br)
-            if bp.mode == "keep":
+            if bp.mode == "keep" and bp.budget < 1:
+                fig = self.compiled.get(br, {}).get(budget_key(bp.budget))
+                if fig is None:
+                    raise ValueError(f"the profile has no measurement of the {br} branch compiled at budget "
+                                     f"{bp.budget:g} (measured: {self.budgets(br) or 'none, an eager profile'})")
+                held += fig["held"]
+                rec += fig["time_s"]
+            elif bp.mode == "keep":
+                per_op = False
                 for u in self.of("saved", br):
                     if ALL in bp.units or u.name in bp.units:
                         host += u.host_bytes
+                        per_op = True
                     elif u.name in bp.rebuilt and u.rebuild_from:
                         rec += u.time_s  # made again in the backward; the backward peak is keep's at most
                         held += u.bytes - u.rebuild_bytes
+                        per_op = True
                     else:
                         held += u.bytes
+                if per_op:  # a compiled run runs this branch eager (`executor.per_op_decisions`)
+                    rec += self.eager_s(br)
             else:
                 ops = self.of("op", br)
                 hit = [u for u in ops if u.name in bp.units]
@@ -296,6 +339,7 @@ class ModelProfile:
                 b["fwd_s"], b["bwd_s"], b["input_bytes"],
                 [Unit(**{**u, "users": tuple(u["users"])}) for u in b["units"]],
                 b["peaks"], b.get("tensors", []), b.get("recompute", {}), b.get("timing_depth", 1),
+                b.get("compiled", {}),
             )
             for b in d["blocks"]
         ]

@@ -12,8 +12,10 @@ mode, so both are exact; peaks come from `PeakMeter` (the CUDA allocator's stati
 profiler's allocation events on the CPU). An op unit's time is the branch's measured forward time
 shared out over its ops in proportion to their clocked times; a recomputed branch's fixed costs
 (the checkpoint, selective checkpointing's per-op dispatch) are measured by running it, and so is
-a block recomputing both branches (not the sum of the two). Profiles are cached per (model,
-micro-batch, seq, precision, machine, link, optimizer, and the timing chain where it is set).
+a block recomputing both branches (not the sum of the two). A compiled run's profile times
+compiled branches and measures each kept branch at the compile budgets (`memory.compiled`).
+Profiles are cached per (model, micro-batch, seq, precision, machine, link, optimizer, the timing
+chain where it is set, and compilation).
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hetforge.core.checkpoint_io import write_text_atomic
+from hetforge.memory.compiled import COMPILED_BUDGETS, compile_branches
 from hetforge.memory.executor import ActivationLedger, PlanRunner, input_users, parameter_storages
 from hetforge.memory.measure import PeakMeter
 from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
-                                  resolve_option)
+                                  budget_key, resolve_option)
 from hetforge.memory.units import Labeller, is_view_op, rebuilds, storage_key, tensor_bytes
 from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
@@ -117,13 +120,16 @@ def measuring_machine(device: torch.device) -> str:
 
 
 def _cache_key(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-               link: float | None, optimizer: str, fp32_matmul: bool = False, chain: int | None = None) -> str:
+               link: float | None, optimizer: str, fp32_matmul: bool = False, chain: int | None = None,
+               compiled: bool = False) -> str:
     fields = [PROFILE_VERSION, cfg.to_dict(), micro_batch, seq, precision, measuring_machine(device), link, optimizer,
               torch.__version__]
     if fp32_matmul:  # only then, so that measured profiles keep their keys
         fields.append("fp32-matmul")
     if chain is not None:
         fields.append(f"chain-{chain}")
+    if compiled:
+        fields.append(f"compiled-{list(COMPILED_BUDGETS)}")
     blob = json.dumps(fields, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -233,7 +239,13 @@ def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]], rebuilt
 
 
 def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-                  repeats: int = 3, min_seconds: float = 0.0, chain: int = 1) -> BlockProfile:
+                  repeats: int = 3, min_seconds: float = 0.0, chain: int = 1, compiled: bool = False) -> BlockProfile:
+    """One block measured (see the module's docstring). `compiled`: a compiled run's profile. Its
+    times are taken on compiled branches, as such a run keeps or recomputes them (a branch whose plan
+    caches, offloads or rebuilds units runs eager there too, `executor.per_op_decisions`, and is
+    timed so); its saved units are still recorded eager, where they have names; and every kept
+    branch is also measured compiled at each budget of `compiled.COMPILED_BUDGETS`: the bytes its
+    graph saves and the time it adds over the branch compiled plainly."""
     torch.manual_seed(0)
     block = Block(cfg).to(device)
     rot = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base).to(device)
@@ -280,6 +292,16 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     _, _, rebuilt = run(Decision(BranchPlan("keep", frozenset(), every["attn"]),
                                  BranchPlan("keep", frozenset(), every["mlp"])).encode(), record=True)
     units = _saved_units(kept, users, rebuilt)
+    budget_held = {}
+    if compiled:
+        for br in BRANCHES:
+            other = "mlp" if br == "attn" else "attn"
+            for b in COMPILED_BUDGETS:
+                # the other branch recomputed: it saves nothing but the block's input, an input unit
+                d = {br: BranchPlan("keep", budget=b), other: BranchPlan("recompute")}
+                _, _, saved_at = run(Decision(d["attn"], d["mlp"]).encode(), record=True)
+                held = {r["key"]: r["bytes"] for r in saved_at if r["unit"] not in users}
+                budget_held[(br, b)] = float(sum(held.values()))
 
     # Op units: what each op group produces, and its share of its branch's forward time.
     def branch_fwd(name):
@@ -314,6 +336,15 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
     variants["both/plain"] = Decision(BranchPlan("recompute"), BranchPlan("recompute")).encode()
+    if compiled:
+        for br in BRANCHES:  # kept, run eager as per-unit choices make it ("-" names no unit)
+            bp = BranchPlan("keep", frozenset({f"{br}.-"}))
+            variants[f"{br}/eager"] = (Decision(bp, BranchPlan("keep")) if br == "attn"
+                                       else Decision(BranchPlan("keep"), bp)).encode()
+    for br, b in budget_held:
+        bp = BranchPlan("keep", budget=b)
+        variants[f"{br}/compiled@{budget_key(b)}"] = (Decision(bp, BranchPlan("keep")) if br == "attn"
+                                                      else Decision(BranchPlan("keep"), bp)).encode()
     # Rebuilding: per branch, the step's extra time when the kept branch rebuilds every unit it can
     # (under the saved-tensor hooks it needs, which keep-all runs without); the producers' op times
     # split it.
@@ -329,13 +360,19 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved
     depth = timing_depth(chain, copy_bytes, free_memory_bytes(device))
     extra, fwd_s, bwd_s = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device,
-                                      max(2 * repeats, 7), min_seconds, depth)
+                                      max(2 * repeats, 7), min_seconds, depth, compiled)
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    for (br, b), held in budget_held.items():
+        figures.setdefault(br, {})[budget_key(b)] = {"held": held,
+                                                     "time_s": max(0.0, extra[f"{br}/compiled@{budget_key(b)}"])}
     recompute = {}
     for br in BRANCHES:
         names = [n for n in clocks[0].bytes if n.startswith(br + ".")]
         plain, sac_all, sac = (max(0.0, extra[f"{br}/{k}"]) for k in ("plain", "sac_all", "sac"))
         sac = max(sac, sac_all)
         recompute[br] = {"plain": plain, "sac": sac, "sac_all": sac_all}
+        if f"{br}/eager" in extra:
+            recompute[br]["eager"] = max(0.0, extra[f"{br}/eager"])
         weights = {n: statistics.median(c.time.get(n, 0.0) for c in clocks) for n in names}
         total = sum(weights.values()) or 1.0
         for n in names:
@@ -344,7 +381,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     for br in BRANCHES:
         if f"{br}/rebuild" not in extra:
             continue
-        price = max(0.0, extra[f"{br}/rebuild"])
+        price = max(0.0, extra[f"{br}/rebuild"] - recompute[br].get("eager", 0.0))  # rebuilding alone
         recompute[br]["rebuild"] = price
         names = [n for n in remade if n.startswith(br + ".")]
         weights = {n: statistics.median(c.time.get(remade[n].op_unit, 0.0) for c in clocks) for n in names}
@@ -354,7 +391,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
                 share = weights[u.name] / total if total > 0 else 1.0 / len(names)
                 units[k] = replace(u, time_s=price * share, rebuild_from=remade[u.name].source)
 
-    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth)
+    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth, figures)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -394,7 +431,8 @@ def timing_depth(n_layers: int, copy_bytes: float, free_bytes: float) -> int:
 
 
 def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin, ac, device,
-                rounds: int, min_seconds: float = 0.0, depth: int = 1) -> tuple[dict[str, float], float, float]:
+                rounds: int, min_seconds: float = 0.0, depth: int = 1,
+                compiled: bool = False) -> tuple[dict[str, float], float, float]:
     """Per option (but "keep"), the median over rounds of its forward + backward time less that of
     the keep runs beside it (`sandwiched`); and the plain block's forward and backward (what keep-all
     runs); all per block, timed over `depth` blocks in a row (`timing_depth`). Differences of
@@ -402,11 +440,14 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
     recomputation are a few percent of a block: a median of whole times, each off by the drift,
     would bury them. Rounds go on until `min_seconds` have passed: a CPU measured for a few
     milliseconds is measured in a burst (turbo, an idle neighbour) that the minutes of a training
-    run do not keep."""
+    run do not keep. `compiled`: the blocks' branches run compiled, as `compile_branches` makes
+    them; each option runs once before the clock starts, so that compiling is not timed."""
     # copies of the block, each with its own weights and gradients, as in the model (one module run
     # `depth` times would keep its weights in the cache)
     layers = [block] + [copy.deepcopy(block) for _ in range(depth - 1)]
     params = params | {s for layer in layers[1:] for s in parameter_storages(layer)}
+    if compiled:
+        compile_branches(layers)
     runners = {}
     for k, option in variants.items():
         runners[k] = PlanRunner(Plan([option] * depth), params, cfg.parallel_residual, random=cfg.dropout > 0)
@@ -448,10 +489,17 @@ def _step_times(block, variants: dict[str, str], params, cfg, x0, grad, cos, sin
         if r:
             plain.append(fb)
 
+    if compiled:
+        run_plain()
+        for k in variants:
+            run_option(k)
     start = time.perf_counter()
     extras = sandwiched(run_option, [k for k in variants if k != "keep"], "keep",
                         lambda r: _more(r, rounds, start, min_seconds), round_done)
     block.zero_grad(set_to_none=False)
+    if compiled:  # the block itself runs eager again (its branches were instance attributes)
+        for name in ("attn_branch", "mlp_branch"):
+            block.__dict__.pop(name, None)
     del layers[1:], runners
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the copies' memory goes back to the card
@@ -549,18 +597,21 @@ def profile_model(
     fp32_matmul: bool = False,
     min_seconds: float | None = None,
     chain: int | None = None,
+    compiled: bool = False,
 ) -> ModelProfile:
     """The profile the planner needs; cached as JSON under `cache_dir` when given. `fp32_matmul`
     runs 16-bit matmuls in fp32 (`Fp32Matmul`): bytes as measured, times not those of the device.
     The block's times are measured over at least `min_seconds` (default 0.4 s per repeat) with up
     to `chain` copies of it in a row (default the model's depth; `timing_depth`; a profile whose
-    times are not used takes 1), the head's over a quarter of that."""
+    times are not used takes 1), the head's over a quarter of that. `compiled`: for a run that
+    compiles its blocks (`profile_block`)."""
     if min_seconds is None:
         min_seconds = 0.4 * repeats
     device = torch.device(device)
     path = None
     if cache_dir is not None:
-        key = _cache_key(cfg, micro_batch, seq, precision, device, link_bytes_per_s, optimizer, fp32_matmul, chain)
+        key = _cache_key(cfg, micro_batch, seq, precision, device, link_bytes_per_s, optimizer, fp32_matmul, chain,
+                         compiled)
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.exists():
             return ModelProfile.from_dict(json.loads(path.read_text()))
@@ -571,7 +622,7 @@ def profile_model(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             (Fp32Matmul() if fp32_matmul else contextlib.nullcontext()):
         block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds,
-                              cfg.n_layers if chain is None else chain)
+                              cfg.n_layers if chain is None else chain, compiled)
         hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats, min_seconds / 4)
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
@@ -580,7 +631,7 @@ def profile_model(
         link_bytes_per_s=float(link_bytes_per_s),
         shared_bytes=float(2 * seq * cfg.rotary_dims * 4),  # cos and sin, fp32, made once per forward
         overlap=device.type == "cuda",  # a copy stream beside compute; the CPU copies on its own cores
-        meta={"micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device), "machine": measuring_machine(device),
+        meta={"compiled": compiled, "micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device), "machine": measuring_machine(device),
               "n_layers": cfg.n_layers, "d_model": cfg.d_model, "optimizer": optimizer,
               "link_measured": configured_link is None,
               "host_step_s_per_param": host_optimizer_seconds_per_param()},  # the price of optimizer offload

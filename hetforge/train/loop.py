@@ -605,7 +605,7 @@ class Trainer:
             load_components(self.state.last_checkpoint, self.components, ctx.rank)
         self.compiled, why = compile_decision(tc.compile, self.device, self.check is not None)
         if self.compiled:
-            compile_blocks(self.model)
+            compile_blocks(self.model, whole_chain=not ctx.distributed)
         self.say(f"compile: {'on' if self.compiled else 'off'} ({why})")
         self.par: Parallel = parallelize(self.model, ctx, self.device, self.strategy,
                                          accumulation=self.balance_plan.accumulation)

@@ -10,8 +10,6 @@ GPU the note is a CUDA event, see `ComputeTimer`). One process: the model itself
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetforge.cluster.dist import DistContext
 from hetforge.core.errors import ConfigError
+from hetforge.memory.compiled import compile_blocks as compile_chain
 from hetforge.model.accounting import MIN_UNIT_PARAMS, block_groups
 from hetforge.model.gpt_neox import initial_value
 
@@ -251,28 +250,10 @@ def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strate
     return Parallel(net, strategy, clock, grad_weight=float(ctx.world_size))
 
 
-def inductor_cache_dir() -> str:
-    """Inductor's on-disk cache, one per ATen CPU capability. Its key misses the capability: with
-    one shared cache, kernels built under AVX-512 were reused by a process running with
-    `ATEN_CPU_CAPABILITY=avx2` and trained to NaN (seen here). An explicit
-    TORCHINDUCTOR_CACHE_DIR is kept."""
-    if not _USER_INDUCTOR_CACHE:  # (Inductor writes its default into the variable once it has used it)
-        cap = torch.backends.cpu.get_cpu_capability().lower()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"hetforge_inductor_{os.getuid()}_{cap}")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-_USER_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR" in os.environ
-
-
-def compile_blocks(model: nn.Module) -> None:
-    """Regional compilation: each block's two branches compiled on their own (what the block's
-    forward and a memory plan both call). Identical blocks share one compiled graph, as parameters
-    are graph inputs, so the cold start is one block's, not the model's."""
-    inductor_cache_dir()
-    for block in getattr(model, "module", model).layers:
-        block.attn_branch = torch.compile(block.attn_branch)
-        block.mlp_branch = torch.compile(block.mlp_branch)
+def compile_blocks(model: nn.Module, whole_chain: bool = False) -> None:
+    """Regional compilation of the model's blocks (`memory.compiled.compile_blocks`); `whole_chain`
+    where the run is one process."""
+    compile_chain(getattr(model, "module", model).layers, whole_chain)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
