@@ -120,8 +120,8 @@ def test_compile_budgets_run_compiled_save_less_and_give_the_eager_gradients():
 def test_a_compiled_profile_measures_each_compile_budget():
     """What a compiled run's planner prices: per kept branch and budget of `COMPILED_BUDGETS` the
     bytes its graph saves (fewer at a lower budget; at 0 fewer than the eager branch's units) and
-    the time it adds; the price of a kept branch run eager; and the cache keeps it apart from the
-    eager profile."""
+    the time it adds; the price of a kept branch run eager and of the block under the saved-tensor
+    hooks; and the cache keeps it apart from the eager profile."""
     from hetforge.memory.compiled import COMPILED_BUDGETS
     from hetforge.memory.profile import _cache_key, profile_block
     from tests.test_memory_exec import _cfg
@@ -136,5 +136,6 @@ def test_a_compiled_profile_measures_each_compile_budget():
         assert figs["0"]["held"] < sum(u.bytes for u in blk.of("saved", br))
         assert all(f["time_s"] >= 0 for f in figs.values()) and "eager" in blk.recompute[br]
         assert blk.cost(f"{br}:keep@0 | {'mlp' if br == 'attn' else 'attn'}:keep").held < blk.cost("keep").held
+    assert "hooks" in blk.recompute["block"]
     key = lambda compiled: _cache_key(cfg, 2, 32, "fp32", cpu, None, "adamw", compiled=compiled)  # noqa: E731
     assert key(True) != key(False)

@@ -77,8 +77,10 @@ def test_saved_bytes_and_peaks_match_the_prediction(parallel):
     torch.manual_seed(0)
     cfg = _cfg(parallel)
     prof = profile_model(cfg, 2, 32, repeats=1)
-    # recomputation priced per branch and for the pair, measured as a whole (not a sum)
-    assert set(prof.blocks[0].recompute) == {"attn", "mlp", "both"}
+    # recomputation priced per branch and for the pair, measured as a whole (not a sum); the block
+    # under the saved-tensor hooks priced on its own
+    assert set(prof.blocks[0].recompute) == {"attn", "mlp", "both", "block"}
+    assert set(prof.blocks[0].recompute["block"]) == {"hooks"}
     assert prof.blocks[0].recompute["both"]["plain"] >= 0.0
     model = GPTNeoX(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 33))

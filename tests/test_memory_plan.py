@@ -107,10 +107,12 @@ def test_tensor_milp_equals_brute_force(seed, frac, overlap):
 def compiled_profile(n: int, seed: int, link_mb_s: float) -> ModelProfile:
     """A compiled run's profile: per branch three compile budgets, each saving a share of the
     branch's units for a price below the branch's plain recomputation, and a price for running the
-    branch eager (to offload or rebuild a unit)."""
+    branch eager (to offload or rebuild a unit); per block a price for running under the
+    saved-tensor hooks (anything offloaded or rebuilt, the block input included)."""
     prof = synthetic(n, seed, link_mb_s, units_per_branch=1)
     rng = random.Random(seed + 100)
     for blk in prof.blocks:
+        blk.recompute["block"] = {"hooks": rng.uniform(0.1, 0.4) * blk.recompute["mlp"]["plain"]}
         for br in ("attn", "mlp"):
             saved = sum(u.bytes for u in blk.of("saved", br))
             plain = blk.recompute[br]["plain"]
@@ -146,9 +148,14 @@ def test_a_compile_budget_costs_what_was_measured_and_reads_back():
     attn_saved = sum(u.bytes for u in blk.of("saved", "attn"))
     assert at.held == pytest.approx(keep.held - attn_saved + blk.compiled["attn"]["0.5"]["held"])
     assert at.recompute_s == pytest.approx(blk.compiled["attn"]["0.5"]["time_s"])
-    # offloading a unit runs the kept branch eager in a compiled run: its price is added once
+    # offloading a unit runs the kept branch eager in a compiled run, under the saved-tensor hooks
     off = Decision(BranchPlan("keep", frozenset({"attn.s0"})), BranchPlan("keep")).encode()
-    assert blk.cost(off).recompute_s == pytest.approx(blk.eager_s("attn"))
+    assert blk.hooks_s > 0 and blk.cost(off).recompute_s == pytest.approx(blk.eager_s("attn") + blk.hooks_s)
+    both = Decision(BranchPlan("keep", frozenset({"attn.s0"})), BranchPlan("keep", frozenset({"mlp.s0"})),
+                    frozenset({"x"})).encode()
+    assert blk.cost(both).recompute_s == pytest.approx(blk.eager_s("attn") + blk.eager_s("mlp") + blk.hooks_s)
+    # the block input alone: the hooks, and no branch runs eager
+    assert blk.cost("attn:keep | mlp:keep | offload[x]").recompute_s == pytest.approx(blk.hooks_s)
     for bad in ("attn:recompute@0.5 | mlp:keep", "attn:keep@0.5-offload[s0] | mlp:keep", "attn:keep@1.5 | mlp:keep"):
         with pytest.raises(ValueError, match="compile budget"):
             Decision.parse(bad)

@@ -182,6 +182,12 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             h.addConstr(o + sum(r[b] for b in x.users) <= len(x.users))  # offloaded only if saved
             host = host + _c(x.host_bytes / MIB, o)
         held = held + _c(x.bytes / MIB, on)
+    movers = [*off.values(), *made.values(), *ins.values()]
+    if movers and blk.hooks_s > 1e-12:  # the block runs under the saved-tensor hooks once anything moves
+        hooked = h.addVariable(lb=0, ub=1)
+        for v in movers:
+            h.addConstr(hooked - v >= 0)
+        rec = rec + _c(blk.hooks_s * MS, hooked)
     both = h.addVariable(lb=0, ub=1)
     h.addConstr(both - r["attn"] - r["mlp"] >= -1)
     h.addConstr(both - r["attn"] <= 0)

@@ -174,9 +174,10 @@ class BlockProfile:
     # add up to sac - sac_all). Without these figures a branch costs just its units' time.
     # "both": {"plain": seconds} with both branches recomputed by plain checkpoints, measured as a
     # whole: the two do not add up (on small blocks on the CPU the pair cost 0.7-0.94x the sum).
-    # `both_extra_s` is the difference. A compiled run's profile adds per branch "eager": what the
-    # kept branch adds run eager (to offload or rebuild units) over the branch compiled; its
-    # "rebuild" is then the rebuilding alone.
+    # `both_extra_s` is the difference. "block": {"hooks": seconds} is what running the block under
+    # the saved-tensor hooks adds (`hooks_s`). A compiled run's profile adds per branch "eager": what
+    # the kept branch adds run eager (to offload or rebuild units) over the branch compiled, the
+    # hooks aside. A branch's "rebuild" is the rebuilding alone.
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
     timing_depth: int = 1  # copies of the block its times were taken over, in a row (`memory.profile`)
     # A compiled run's profile: per branch, per compile budget under 1 (`budget_key`), the bytes the
@@ -194,6 +195,12 @@ class BlockProfile:
             got = self._of[(kind, branch)] = [u for u in self.units
                                               if u.kind == kind and (branch is None or u.branch == branch)]
         return got
+
+    @property
+    def hooks_s(self) -> float:
+        """What running the block under the saved-tensor hooks adds to the step (a Python call per
+        saved tensor, each way): paid once by a block that offloads or rebuilds anything."""
+        return max(0.0, self.recompute.get("block", {}).get("hooks", 0.0))
 
     def eager_s(self, branch: str) -> float:
         """What a kept branch adds to the step when it runs eager to offload or rebuild units in a
@@ -256,6 +263,7 @@ class BlockProfile:
     def _cost(self, d: Decision) -> OptionCost:
         held = host = rec = cached = 0.0
         plain = 0  # branches recomputed by a plain checkpoint
+        hooked = False  # the block runs under the saved-tensor hooks
         for br in BRANCHES:
             bp = d.branch(br)
             if bp.mode == "keep" and bp.budget < 1:
@@ -279,6 +287,7 @@ class BlockProfile:
                         held += u.bytes
                 if per_op:  # a compiled run runs this branch eager (`executor.per_op_decisions`)
                     rec += self.eager_s(br)
+                    hooked = True
             else:
                 ops = self.of("op", br)
                 hit = [u for u in ops if u.name in bp.units]
@@ -299,6 +308,9 @@ class BlockProfile:
                 held += u.bytes
             if off:
                 host += u.host_bytes
+                hooked = True
+        if hooked:
+            rec += self.hooks_s
         fwd, bwd = self.peaks[f"{d.attn.mode}/{d.mlp.mode}"]
         return OptionCost(held + cached, host, fwd + cached, bwd + cached, rec)
 

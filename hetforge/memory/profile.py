@@ -49,7 +49,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 14
+PROFILE_VERSION = 15
 
 
 def _sync(device: torch.device) -> None:
@@ -336,6 +336,8 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
             bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
     variants["both/plain"] = Decision(BranchPlan("recompute"), BranchPlan("recompute")).encode()
+    # the saved-tensor hooks alone: the block runs under them, nothing moves ("-" names no input)
+    variants["hooks"] = Decision(BranchPlan("keep"), BranchPlan("keep"), frozenset({"-"})).encode()
     if compiled:
         for br in BRANCHES:  # kept, run eager as per-unit choices make it ("-" names no unit)
             bp = BranchPlan("keep", frozenset({f"{br}.-"}))
@@ -365,14 +367,15 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     for (br, b), held in budget_held.items():
         figures.setdefault(br, {})[budget_key(b)] = {"held": held,
                                                      "time_s": max(0.0, extra[f"{br}/compiled@{budget_key(b)}"])}
-    recompute = {}
+    hooks = max(0.0, extra["hooks"])
+    recompute: dict[str, dict[str, float]] = {"block": {"hooks": hooks}}
     for br in BRANCHES:
         names = [n for n in clocks[0].bytes if n.startswith(br + ".")]
         plain, sac_all, sac = (max(0.0, extra[f"{br}/{k}"]) for k in ("plain", "sac_all", "sac"))
         sac = max(sac, sac_all)
         recompute[br] = {"plain": plain, "sac": sac, "sac_all": sac_all}
         if f"{br}/eager" in extra:
-            recompute[br]["eager"] = max(0.0, extra[f"{br}/eager"])
+            recompute[br]["eager"] = max(0.0, extra[f"{br}/eager"] - hooks)  # the branch run eager alone
         weights = {n: statistics.median(c.time.get(n, 0.0) for c in clocks) for n in names}
         total = sum(weights.values()) or 1.0
         for n in names:
@@ -381,7 +384,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     for br in BRANCHES:
         if f"{br}/rebuild" not in extra:
             continue
-        price = max(0.0, extra[f"{br}/rebuild"] - recompute[br].get("eager", 0.0))  # rebuilding alone
+        price = max(0.0, extra[f"{br}/rebuild"] - hooks - recompute[br].get("eager", 0.0))  # rebuilding alone
         recompute[br]["rebuild"] = price
         names = [n for n in remade if n.startswith(br + ".")]
         weights = {n: statistics.median(c.time.get(remade[n].op_unit, 0.0) for c in clocks) for n in names}
