@@ -34,7 +34,7 @@ at 50% its overhead is at most half of full checkpointing's (the median's ratio;
 rounds and the planner's prediction are printed beside it). Then the MILP's solve time at 12, 24,
 48 and 96 blocks.
 
-    .venv/bin/python bench/memory_plans.py            # ~20 minutes on 2 cores
+    .venv/bin/python bench/memory_plans.py            # ~32 minutes on 2 cores
     .venv/bin/python bench/memory_plans.py --quick    # smoke run (no torch.compile)
     .venv/bin/python bench/memory_plans.py --models small-12 --no-compile   # the eager plans of one model
 
