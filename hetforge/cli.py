@@ -323,6 +323,7 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
     link = cfg.memory.link_gbps * 1e9 if cfg.memory.link_gbps else None
     kinds = []
     gpu_compiles = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]  # a card of the table is a GPU
+    local_compiles = compile_decision(cfg.train.compile, torch.device(device), True)[0]
     for (kind, mem_gb, speed), count in counts.items():
         card = lookup(kind) if kind != "cpu" else None
         if card is not None:  # a GPU of the table: its analytic profile, its usable memory
@@ -333,7 +334,6 @@ def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> in
             continue
         if mem_gb is None:
             raise ConfigError(f"{path}: device {kind!r} needs memory_gb: the plan is made for its memory")
-        local_compiles = compile_decision(cfg.train.compile, torch.device(device), True)[0]
         at = (lambda b: profile_model(model_cfg, b, seq, precision, device, link, opt, PROFILE_CACHE,
                                       compiled=local_compiles))
         kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0, compiled=local_compiles))

@@ -281,7 +281,7 @@ def test_plan_command_tables_files_and_errors(make_cfg, tmp_path, capsys):
 
 def test_a_keep_all_plan_runs_the_plain_chain_between_measured_steps():
     """Keep-all has nothing to do per block: unmeasured steps run the chain the plan wraps (compiled
-    whole where the run compiles it, `memory.compiled.compile_blocks`), a measured step runs the
+    whole where the run compiles it, `memory.compiled.compile_chain`), a measured step runs the
     runner, which counts what is saved; any other plan always runs the runner; and unwrapping gives
     the model its own chain back."""
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def compile_branches(blocks: Iterable[torch.nn.Module]) -> None:
         block.mlp_branch = torch.compile(block.mlp_branch)
 
 
-def compile_blocks(layers: torch.nn.Module, whole_chain: bool = False) -> None:
+def compile_chain(layers: torch.nn.Module, whole_chain: bool = False) -> None:
     """Compile a model's chain of blocks: each block's branches (`compile_branches`, what a memory
     plan's runner calls) and, with `whole_chain`, the chain's own forward as one graph, which runs
     wherever no plan needs the branches one by one (no plan, or a keep-all plan between measured

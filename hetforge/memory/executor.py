@@ -241,7 +241,7 @@ class PlanRunner:
         # the saved-tensor hooks (their Python cost per tensor); the training loop measures one step.
         self.measure = True
         # nothing to do per block (keep-all): unmeasured steps run the plain chain, compiled whole
-        # where the run compiles it (`compiled.compile_blocks`)
+        # where the run compiles it (`compiled.compile_chain`)
         self.plain_keep = not plan.segments and all(d == Decision(BranchPlan("keep"), BranchPlan("keep"))
                                                     for d in self.decisions)
 

@@ -126,23 +126,22 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
             h.addConstr(m + r[u.branch] + off.get(u.name, 0.0) <= 1)
             held = held - _c(u.rebuild_bytes / MIB, m)
             rec = rec + _c(u.time_s * MS, m)
+    budgets = {}
     for br in BRANCHES:
+        saved = blk.of("saved", br)
         # a compiled run's kept branch runs eager once it offloads or rebuilds any unit
-        per_op = [v for u in blk.of("saved", br) for v in (off.get(u.name), made.get(u.name)) if v is not None]
+        per_op = [v for u in saved for v in (off.get(u.name), made.get(u.name)) if v is not None]
         if per_op and blk.eager_s(br) > 1e-12:
             e = h.addVariable(lb=0, ub=1)
             for v in per_op:
                 h.addConstr(e - v >= 0)
             rec = rec + _c(blk.eager_s(br) * MS, e)
-    budgets = {}
-    for br in BRANCHES:
         # A kept branch compiled at a budget under 1 (a compiled run's profile): its measured bytes
         # replace its saved units', whose offload and rebuild binaries it excludes.
         zs = budgets[br] = {b: h.addBinary() for b in blk.budgets(br)}
         if not zs:
             continue
         h.addConstr(r[br] + sum(zs.values()) <= 1)
-        saved = blk.of("saved", br)
         for u in saved:
             if u.name in off or u.name in made:
                 h.addConstr(off.get(u.name, 0.0) + made.get(u.name, 0.0) + sum(zs.values()) <= 1)

@@ -238,6 +238,12 @@ def _saved_units(tensors: list[dict], users: dict[str, tuple[str, ...]], rebuilt
     return out
 
 
+def one_branch(branch: str, plan: BranchPlan, other: BranchPlan = BranchPlan("keep")) -> str:
+    """A block option (encoded) that does `plan` in `branch` and `other` in the other branch: how
+    the profile isolates one branch's price or bytes."""
+    return (Decision(plan, other) if branch == "attn" else Decision(other, plan)).encode()
+
+
 def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
                   repeats: int = 3, min_seconds: float = 0.0, chain: int = 1, compiled: bool = False) -> BlockProfile:
     """One block measured (see the module's docstring). `compiled`: a compiled run's profile. Its
@@ -295,11 +301,10 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     budget_held = {}
     if compiled:
         for br in BRANCHES:
-            other = "mlp" if br == "attn" else "attn"
             for b in COMPILED_BUDGETS:
                 # the other branch recomputed: it saves nothing but the block's input, an input unit
-                d = {br: BranchPlan("keep", budget=b), other: BranchPlan("recompute")}
-                _, _, saved_at = run(Decision(d["attn"], d["mlp"]).encode(), record=True)
+                option = one_branch(br, BranchPlan("keep", budget=b), BranchPlan("recompute"))
+                _, _, saved_at = run(option, record=True)
                 held = {r["key"]: r["bytes"] for r in saved_at if r["unit"] not in users}
                 budget_held[(br, b)] = float(sum(held.values()))
 
@@ -331,22 +336,17 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     variants = {"keep": "keep"}
     for br in BRANCHES:
         names = frozenset(n for n in clocks[0].bytes if n.startswith(br + "."))
-        other = BranchPlan("keep")
         for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
-            bp = BranchPlan("recompute", cached)  # "-" names no op: selective checkpointing caching nothing
-            variants[f"{br}/{kind}"] = (Decision(bp, other) if br == "attn" else Decision(other, bp)).encode()
+            # "-" names no op: selective checkpointing caching nothing
+            variants[f"{br}/{kind}"] = one_branch(br, BranchPlan("recompute", cached))
     variants["both/plain"] = Decision(BranchPlan("recompute"), BranchPlan("recompute")).encode()
     # the saved-tensor hooks alone: the block runs under them, nothing moves ("-" names no input)
     variants["hooks"] = Decision(BranchPlan("keep"), BranchPlan("keep"), frozenset({"-"})).encode()
     if compiled:
         for br in BRANCHES:  # kept, run eager as per-unit choices make it ("-" names no unit)
-            bp = BranchPlan("keep", frozenset({f"{br}.-"}))
-            variants[f"{br}/eager"] = (Decision(bp, BranchPlan("keep")) if br == "attn"
-                                       else Decision(BranchPlan("keep"), bp)).encode()
+            variants[f"{br}/eager"] = one_branch(br, BranchPlan("keep", frozenset({f"{br}.-"})))
     for br, b in budget_held:
-        bp = BranchPlan("keep", budget=b)
-        variants[f"{br}/compiled@{budget_key(b)}"] = (Decision(bp, BranchPlan("keep")) if br == "attn"
-                                                      else Decision(BranchPlan("keep"), bp)).encode()
+        variants[f"{br}/compiled@{budget_key(b)}"] = one_branch(br, BranchPlan("keep", budget=b))
     # Rebuilding: per branch, the step's extra time when the kept branch rebuilds every unit it can
     # (under the saved-tensor hooks it needs, which keep-all runs without); the producers' op times
     # split it.
@@ -354,9 +354,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     for br in BRANCHES:
         names = frozenset(n for n in remade if n.startswith(br + "."))
         if names:
-            bp = BranchPlan("keep", frozenset(), names)
-            variants[f"{br}/rebuild"] = (Decision(bp, BranchPlan("keep")) if br == "attn"
-                                         else Decision(BranchPlan("keep"), bp)).encode()
+            variants[f"{br}/rebuild"] = one_branch(br, BranchPlan("keep", frozenset(), names))
     # per copy in the timing chain: its weights and gradients, and what its forward saves
     saved = sum(u.bytes for u in units if u.kind in ("saved", "input"))
     copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved

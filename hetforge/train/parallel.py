@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetforge.cluster.dist import DistContext
 from hetforge.core.errors import ConfigError
-from hetforge.memory.compiled import compile_blocks as compile_chain
+from hetforge.memory.compiled import compile_chain
 from hetforge.model.accounting import MIN_UNIT_PARAMS, block_groups
 from hetforge.model.gpt_neox import initial_value
 
@@ -251,7 +251,7 @@ def parallelize(model: nn.Module, ctx: DistContext, device: torch.device, strate
 
 
 def compile_blocks(model: nn.Module, whole_chain: bool = False) -> None:
-    """Regional compilation of the model's blocks (`memory.compiled.compile_blocks`); `whole_chain`
+    """Regional compilation of the model's blocks (`memory.compiled.compile_chain`); `whole_chain`
     where the run is one process."""
     compile_chain(getattr(model, "module", model).layers, whole_chain)
 
