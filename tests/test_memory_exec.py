@@ -70,6 +70,38 @@ def test_every_strategy_gives_the_keep_all_gradients(parallel):
     assert runner_of(model) is None
 
 
+def test_only_blocks_that_choose_per_unit_carry_the_labels():
+    """The labeller's module hooks cost a Python call per submodule: a block that keeps, recomputes
+    or offloads its input whole runs without them (its bytes are counted by storage), one that
+    offloads, rebuilds or caches units has them, and a recording ledger labels every block."""
+    torch.manual_seed(0)
+    cfg = _cfg(True, n_layers=5)
+    model = GPTNeoX(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 33))
+    options = ["keep", "recompute", "attn:keep | mlp:keep | offload[x]", MIXED[0], MIXED[3]]
+    plan = Plan(options)
+
+    def hooked() -> list[bool]:
+        return [bool(b.input_layernorm._forward_pre_hooks) for b in model.layers]
+
+    ref, _ = _step(model, idx)
+    runner = apply_plan(model, plan, measure=False)
+    assert hooked() == [False, False, False, True, True]
+    got, _ = _step(model, idx)
+    assert max((a - b).abs().max().item() for a, b in zip(got, ref)) <= 1e-6
+    runner.measure = True  # the run-time check counts bytes by storage: no labels needed
+    _step(model, idx)
+    assert runner.ledger.peak_device == pytest.approx(
+        simulate(profile_model(cfg, 2, 32, repeats=1), plan).held_bytes, rel=0.02, abs=16 * 1024)
+    runner.ledger.record = True  # a recording names every unit
+    handles = runner.install_labels(model.layers)
+    assert hooked() == [True] * 5
+    for h in handles:
+        h.remove()
+    apply_plan(model, None)
+    assert not any(bool(b.input_layernorm._forward_pre_hooks) for b in model.layers)
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_saved_bytes_and_peaks_match_the_prediction(parallel):
     """The profile's units priced right: what the ledger holds and the allocator's activation peak,
