@@ -181,6 +181,21 @@ def test_a_block_recomputing_both_branches_costs_what_the_pair_measured():
     assert blk.both_extra_s == 0.0 and blk.cost("recompute").recompute_s == pytest.approx(sum(plain.values()))
 
 
+def test_the_cpu_link_is_the_rate_of_the_copies_the_model_made():
+    """Everything offloaded pays every byte out in the forward and back in the backward: the rate is
+    twice those bytes over the time the copies added; unmeasured, or lost in the noise, there is none
+    (the profile then times a copy alone)."""
+    blk = synthetic_block(random.Random(3))
+    moved = sum(u.host_bytes for u in blk.units if u.kind in ("saved", "input"))
+    assert blk.cost("offload").host == pytest.approx(moved)
+    assert blk.copy_rate() is None
+    blk.recompute["block"] = {"hooks": 1e-4, "copy": 2e-3}
+    assert blk.copy_rate() == pytest.approx(2 * moved / 2e-3)
+    for lost in (0.0, -1e-4):
+        blk.recompute["block"]["copy"] = lost
+        assert blk.copy_rate() is None
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_minimum_budget_is_the_brute_force_minimum(overlap):
     prof = synthetic(7, 5)

@@ -177,7 +177,8 @@ class BlockProfile:
     # `both_extra_s` is the difference. "block": {"hooks": seconds} is what running the block under
     # the saved-tensor hooks adds (`hooks_s`). A compiled run's profile adds per branch "eager": what
     # the kept branch adds run eager (to offload or rebuild units) over the branch compiled, the
-    # hooks aside. A branch's "rebuild" is the rebuilding alone.
+    # hooks aside. A branch's "rebuild" is the rebuilding alone. A CPU profile adds to "block"
+    # "copy": what offloading every unit and the input adds beside the hooks (`copy_rate`).
     recompute: dict[str, dict[str, float]] = field(default_factory=dict)
     timing_depth: int = 1  # copies of the block its times were taken over, in a row (`memory.profile`)
     # A compiled run's profile: per branch, per compile budget under 1 (`budget_key`), the bytes the
@@ -201,6 +202,21 @@ class BlockProfile:
         """What running the block under the saved-tensor hooks adds to the step (a Python call per
         saved tensor, each way): paid once by a block that offloads or rebuilds anything."""
         return max(0.0, self.recompute.get("block", {}).get("hooks", 0.0))
+
+    def copy_rate(self) -> float | None:
+        """Bytes a second of the host copies as the model ran them, each way (None unmeasured).
+
+        On the CPU a copy to the host runs on the compute cores between the ops, with a cost per
+        tensor (a NumPy buffer, its pages) beside the bytes, and its speed depends on the state of the
+        allocator: a 16 MiB copy timed alone (`profile.measure_link`) ran at 0.3-0.5 GB/s in a fresh
+        process and 4.4 GB/s later in the same one, so a plan offloading a block on small-12 was
+        priced 9.5% over what it measured (bench run 8). The profile instead times the block with
+        everything offloaded, which pays every byte out in the forward and back in the backward."""
+        fig = self.recompute.get("block", {})
+        copy_s, moved = fig.get("copy"), self.cost("offload").host
+        if copy_s is None or copy_s <= 0 or moved <= 0:
+            return None
+        return 2 * moved / copy_s
 
     def eager_s(self, branch: str) -> float:
         """What a kept branch adds to the step when it runs eager to offload or rebuild units in a

@@ -49,7 +49,7 @@ from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
-PROFILE_VERSION = 15
+PROFILE_VERSION = 16
 
 
 def _sync(device: torch.device) -> None:
@@ -342,6 +342,8 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     variants["both/plain"] = Decision(BranchPlan("recompute"), BranchPlan("recompute")).encode()
     # the saved-tensor hooks alone: the block runs under them, nothing moves ("-" names no input)
     variants["hooks"] = Decision(BranchPlan("keep"), BranchPlan("keep"), frozenset({"-"})).encode()
+    if device.type != "cuda":  # the host copies as the model runs them (`BlockProfile.copy_rate`)
+        variants["offload"] = "offload"
     if compiled:
         for br in BRANCHES:  # kept, run eager as per-unit choices make it ("-" names no unit)
             variants[f"{br}/eager"] = one_branch(br, BranchPlan("keep", frozenset({f"{br}.-"})))
@@ -379,6 +381,8 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for n in names:
             units.append(Unit(n, "op", float(clocks[0].bytes[n]), time_s=(sac - sac_all) * weights[n] / total))
     recompute["both"] = {"plain": max(0.0, extra["both/plain"])}
+    if "offload" in extra:  # the copies alone: beside the hooks, and the branches run eager in a compiled run
+        recompute["block"]["copy"] = extra["offload"] - hooks - sum(recompute[br].get("eager", 0.0) for br in BRANCHES)
     for br in BRANCHES:
         if f"{br}/rebuild" not in extra:
             continue
@@ -617,7 +621,7 @@ def profile_model(
         if path.exists():
             return ModelProfile.from_dict(json.loads(path.read_text()))
     configured_link = link_bytes_per_s
-    if link_bytes_per_s is None:
+    if link_bytes_per_s is None and device.type == "cuda":
         link_bytes_per_s = measure_link(device)
     # the profile seeds its own random block: the run's random stream must not notice
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
@@ -625,6 +629,12 @@ def profile_model(
         block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds,
                               cfg.n_layers if chain is None else chain, compiled)
         hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats, min_seconds / 4)
+    link_source = "configured" if configured_link is not None else "copy alone"
+    if link_bytes_per_s is None:  # the CPU: the copies as the model made them, where they were measurable
+        link_bytes_per_s = block.copy_rate()
+        link_source = "in the model"
+        if link_bytes_per_s is None:
+            link_bytes_per_s, link_source = measure_link(device), "copy alone"
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
         static=static_bytes(cfg, optimizer),
@@ -634,7 +644,7 @@ def profile_model(
         overlap=device.type == "cuda",  # a copy stream beside compute; the CPU copies on its own cores
         meta={"compiled": compiled, "micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device), "machine": measuring_machine(device),
               "n_layers": cfg.n_layers, "d_model": cfg.d_model, "optimizer": optimizer,
-              "link_measured": configured_link is None,
+              "link_measured": configured_link is None, "link_source": link_source,
               "host_step_s_per_param": host_optimizer_seconds_per_param()},  # the price of optimizer offload
     )
     if path is not None:
