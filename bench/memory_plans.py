@@ -8,7 +8,9 @@ the profile (`simulate`): per model the median |predicted - measured| / measured
 with both times taken relative to keep-all's, which cancels the machine's speed drifting between
 the profile and the rounds) and the Kendall tau between predicted and measured times over every
 plan that ran (also on each plan's time relative to keep-all's in the same round, `kendall_tau_paired`,
-which a stretch of slow rounds does not reorder).
+which a stretch of slow rounds does not reorder). Once the eager rounds are over the profile is
+taken again: its keep-all against the first's is how far the machine itself moved meanwhile
+(`profile_drift`), which no profile taken before the rounds can know.
 
 Strategies: keep-all; full checkpointing (every block recomputed); sqrt(n) segments; the
 recompute-only MILP (Checkmate's problem, tensor level); PyTorch's own automatic budget
@@ -34,7 +36,7 @@ at 50% its overhead is at most half of full checkpointing's (the median's ratio;
 rounds and the planner's prediction are printed beside it). Then the MILP's solve time at 12, 24,
 48 and 96 blocks.
 
-    .venv/bin/python bench/memory_plans.py            # ~32 minutes on 2 cores
+    .venv/bin/python bench/memory_plans.py            # ~36 minutes on 2 cores
     .venv/bin/python bench/memory_plans.py --quick    # smoke run (no torch.compile)
     .venv/bin/python bench/memory_plans.py --models small-12 --no-compile   # the eager plans of one model
 
@@ -251,6 +253,10 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
                        "predicted_breakdown": {n: round(v, 5) for n, v in pred.breakdown_time.items()}}
     apply_plan(model, None)
     ref_m = peaks["keep-all"]
+    # The same profile taken again once the rounds are over: where it and the rounds agree and the
+    # first one does not, an absolute error is the machine's speed moving between the profile and
+    # the rounds; where both profiles agree and the rounds do not, the profile misses a cost.
+    again = simulate(profile_model(cfg, batch, seq, repeats=5, min_seconds=profile_seconds), Plan(["keep"] * n)).time_s
     rel = {k: [t / r for t, r in zip(v, times["keep-all"])] for k, v in times.items()}  # per round vs keep-all
 
     compiled, het_compiled = {}, {}
@@ -372,6 +378,8 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
     print(f"predicted vs measured step time over {len(plans)} plans: median |error| {time_err:.1%} (relative to "
           f"keep-all's: {rel_err:.1%}), Kendall tau {tau:.2f} (on times paired by round with keep-all's: "
           f"{tau_paired:.2f})")
+    print(f"keep-all: profile {keep_pred.time_s * 1e3:.1f} ms, rounds {mk * 1e3:.1f} ms, the profile again after the "
+          f"rounds {again * 1e3:.1f} ms ({again / keep_pred.time_s - 1:+.1%} on the first)")
     for k in plans:
         m = measured[k]
         print(f"  {k[:60]:60s} predicted {m['predicted_s'] * 1e3:7.1f} ms, measured {m['measured_s'] * 1e3:7.1f} ms "
@@ -381,6 +389,7 @@ def bench_model(name: str, cfg: GPTNeoXConfig, batch: int, seq: int, rounds: int
             "never_slower_than_a_fitting_baseline": goal_ok, "half_of_full_overhead_at_50": half_ok,
             "median_time_error": round(time_err, 4), "median_relative_time_error": round(rel_err, 4),
             "kendall_tau": round(tau, 4), "kendall_tau_paired": round(tau_paired, 4),
+            "keep_all_profile_again": round(again / keep_pred.time_s - 1, 4),
             "plans": {k: {**{n: (round(v, 6) if isinstance(v, float) else v) for n, v in m.items()},
                           "rounds_s": [round(x, 6) for x in times[k]]} for k, m in measured.items()},
             "max_peak_prediction_error": round(pred_err, 4),
@@ -434,6 +443,8 @@ def main() -> None:
         "median_relative_time_error": max(r["median_relative_time_error"] for r in results),
         "kendall_tau": min(r["kendall_tau"] for r in results),
         "kendall_tau_paired": min(r["kendall_tau_paired"] for r in results),
+        # keep-all as a second profile after the rounds predicts it, against the first (the larger move)
+        "profile_drift": max((r["keep_all_profile_again"] for r in results), key=abs),
         "half_of_full_overhead_at_50": all(r["half_of_full_overhead_at_50"] is not False for r in results),
         "ratio": next((r["rows"][i]["overhead_vs_full"] for r in results for i in range(len(r["rows"]))
                        if "overhead_vs_full" in r["rows"][i]), None),
