@@ -285,7 +285,8 @@ def cmd_plan(args) -> int:
             console.print(f"HiGHS: {s['status']} in {s['seconds']:.3f}s, gap {s['gap']:.2%}, "
                           f"{s['variables']} variables, {s['constraints']} constraints")
     link = prof.link_bytes_per_s
-    console.print(f"host link {link / 1e9:.1f} GB/s ({'measured' if prof.meta.get('link_measured') else 'modelled'})")
+    how = "configured" if not prof.meta.get("link_measured") else f"measured {prof.meta.get('link_source', '')}".strip()
+    console.print(f"host link {link / 1e9:.1f} GB/s ({how})")
     if dp.optimizer_offload:
         console.print(f"optimizer state in host memory (it does not fit beside the weights and gradients): "
                       f"+{dp.offload_s * 1e3:.1f} ms per optimizer step (gradients down, weights up, the host's step)")

@@ -629,12 +629,12 @@ def profile_model(
         block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds,
                               cfg.n_layers if chain is None else chain, compiled)
         hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats, min_seconds / 4)
-    link_source = "configured" if configured_link is not None else "copy alone"
+    link_source = "configured" if configured_link is not None else "on one copy"
     if link_bytes_per_s is None:  # the CPU: the copies as the model made them, where they were measurable
         link_bytes_per_s = block.copy_rate()
         link_source = "in the model"
         if link_bytes_per_s is None:
-            link_bytes_per_s, link_source = measure_link(device), "copy alone"
+            link_bytes_per_s, link_source = measure_link(device), "on one copy"
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
         static=static_bytes(cfg, optimizer),
