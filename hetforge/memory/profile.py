@@ -620,7 +620,7 @@ def profile_model(
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.exists():
             return ModelProfile.from_dict(json.loads(path.read_text()))
-    configured_link = link_bytes_per_s
+    link_source = "configured" if link_bytes_per_s is not None else "on one copy"
     if link_bytes_per_s is None and device.type == "cuda":
         link_bytes_per_s = measure_link(device)
     # the profile seeds its own random block: the run's random stream must not notice
@@ -629,12 +629,10 @@ def profile_model(
         block = profile_block(cfg, micro_batch, seq, precision, device, repeats, min_seconds,
                               cfg.n_layers if chain is None else chain, compiled)
         hf, hb, hheld, hpeak = profile_head(cfg, micro_batch, seq, precision, device, repeats, min_seconds / 4)
-    link_source = "configured" if configured_link is not None else "on one copy"
     if link_bytes_per_s is None:  # the CPU: the copies as the model made them, where they were measurable
-        link_bytes_per_s = block.copy_rate()
-        link_source = "in the model"
-        if link_bytes_per_s is None:
-            link_bytes_per_s, link_source = measure_link(device), "on one copy"
+        in_model = block.copy_rate()
+        link_bytes_per_s, link_source = ((in_model, "in the model") if in_model is not None
+                                         else (measure_link(device), "on one copy"))
     prof = ModelProfile(
         blocks=[block] * cfg.n_layers,
         static=static_bytes(cfg, optimizer),
@@ -644,7 +642,7 @@ def profile_model(
         overlap=device.type == "cuda",  # a copy stream beside compute; the CPU copies on its own cores
         meta={"compiled": compiled, "micro_batch": micro_batch, "seq_len": seq, "precision": precision, "device": str(device), "machine": measuring_machine(device),
               "n_layers": cfg.n_layers, "d_model": cfg.d_model, "optimizer": optimizer,
-              "link_measured": configured_link is None, "link_source": link_source,
+              "link_measured": link_source != "configured", "link_source": link_source,
               "host_step_s_per_param": host_optimizer_seconds_per_param()},  # the price of optimizer offload
     )
     if path is not None:
