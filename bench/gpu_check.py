@@ -115,7 +115,7 @@ def plans(out: Path, spec: dict, device: str, precision: str) -> list[dict]:
     # the analytic model (what docs/legacy_gpus.md is made from) against this measured profile
     card = lookup(torch.cuda.get_device_name() if device == "cuda" else "H200")
     if card is not None:
-        est = analytic_profile(model_cfg, micro, spec["seq"], card, cache_dir=out / "profiles")
+        est = analytic_profile(model_cfg, micro, spec["seq"], card)
         est_keep = simulate(est, Plan(["keep"] * model_cfg.n_layers))
         ANALYTIC.update({"card": card.name, "activation_peak_ratio": est_keep.activation_peak / keep.activation_peak,
                          "held_ratio": est_keep.held_bytes / keep.held_bytes})
@@ -273,7 +273,7 @@ def fsdp_memory(spec: dict, device: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from hetforge.cluster.probe import saved_bytes_per_sample
+    from hetforge.memory.analytic import activation_bytes_per_sample
     from hetforge.model.accounting import sharded_static_bytes
     from hetforge.model.presets import PRESETS
     from hetforge.train.optim import build_optimizer
@@ -294,8 +294,7 @@ def fsdp_memory(spec: dict, device: str) -> dict:
         shard_model(model, mesh, "fsdp", None, "none", dtype if device == "cuda" else None)
         init_sharded(model, torch.device(device), 0)
         opt = build_optimizer(model, TrainConfig(), torch.device(device))
-        act = saved_bytes_per_sample(GPTNeoX.build(cfg, device, 0), spec["seq"], cfg.vocab_size, torch.device(device),
-                                     lambda: torch.autocast(device, dtype=dtype, enabled=device == "cuda")) * micro
+        act = activation_bytes_per_sample(cfg, spec["seq"], "bf16" if device == "cuda" else "fp32") * micro
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()

@@ -54,19 +54,20 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("balance", help="measure the ranks and split the global batch (run under torchrun)")
     _add_config(p)
 
-    p = sub.add_parser("plan", help="memory plan: keep / recompute / offload per block under a budget")
+    p = sub.add_parser("plan", help="what a run decides (strategy, shares, activation plans, step time), before it runs")
     _add_config(p)
     p.add_argument("--budget", default=None, help="device memory budget, e.g. 10GiB (default: memory.budget)")
     p.add_argument("--device", default="auto", help="profile on this torch device: cpu, cuda, cuda:1, auto")
     p.add_argument("--card", default=None, help="plan for a card that is not here (V100, T4, A100-80GB, ...): its "
-                                               "profile estimated from this machine's (hetforge.memory.analytic)")
+                                               "figures estimated from shapes and its datasheet (memory.analytic)")
     p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
     p.add_argument("--strategy", default=None, choices=["milp", "none", "full", "sqrt", "recompute-only"])
     p.add_argument("--granularity", default=None, choices=["block", "sublayer", "tensor"],
                    help="decide per block, per branch, or per saved tensor / op output (default: memory.granularity)")
     p.add_argument("--cluster", default=None, metavar="FILE",
-                   help="a cluster YAML (nodes: ...): plan every device type at its memory and micro-batch")
-    p.add_argument("--out", default=None, help="directory for plan.json and the PNG (default RUN_DIR/memory)")
+                   help="a cluster YAML (nodes: ...): the plan `train` would make launched on it")
+    p.add_argument("--out", default=None, help="directory for plan.json, plan.txt and the PNG (default RUN_DIR/plan)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON only")
 
     p = sub.add_parser("scale", help="scaling laws: run a sweep of small trainings, fit L(N, D) to it")
     ssub = p.add_subparsers(dest="scale_command", required=True)
@@ -220,164 +221,93 @@ def cmd_balance(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    """The run's plan (`cluster.run_plan`) for this device, a card of the table, or a cluster file:
+    what `train` would decide there, printed and written to OUT/plan.json."""
+    from hetforge.cluster.facts import card_facts, declared_facts, device_facts
+    from hetforge.cluster.run_plan import resolve_plan
+    from hetforge.cluster.spec import read_cluster_file
     from hetforge.config import load_config
     from hetforge.core.console import console
-    from hetforge.cluster.spec import device_memory_bytes
-    import torch
-
-    from hetforge.core.hardware import compile_decision
-    from hetforge.memory.device_plan import PROFILE_CACHE, plan_device, plan_profile, rebuild_units, resolve_budget
-    from hetforge.memory.milp import baselines
-    from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
-                                        save_plan, tensors_table, units_table)
-    from hetforge.model.gpt_neox import GPTNeoXConfig
-    from hetforge.core.precision import resolve_device, resolve_precision
+    from hetforge.core.precision import resolve_device
 
     overrides = list(args.overrides)
-    if args.budget is not None:
-        overrides.append(f"memory.budget={args.budget}")
-    if args.strategy:
-        overrides.append(f"memory.strategy={args.strategy}")
-    if args.granularity:
-        overrides.append(f"memory.granularity={args.granularity}")
+    for flag, key in ((args.budget, "memory.budget"), (args.strategy, "memory.strategy"),
+                      (args.granularity, "memory.granularity"), (args.micro_batch, "train.micro_batch_size")):
+        if flag is not None:
+            overrides.append(f"{key}={flag}")
     cfg = load_config(args.config, overrides)
-    device = resolve_device(args.device)
-    precision = resolve_precision(cfg.train.precision, device)
-    model_cfg = GPTNeoXConfig.from_model_config(cfg.model, cfg.model.vocab_size or cfg.data.tokenizer.vocab_size)
-    seq, micro = cfg.train.seq_len, args.micro_batch or cfg.train.micro_batch_size
-    out = Path(args.out or Path(cfg.run_dir) / "memory")
-    mem = cfg.memory
-    if args.cluster:
-        return _plan_cluster(args.cluster, cfg, model_cfg, precision, device, out)
-    if args.card:
-        from hetforge.core.hardware import DEVICES, lookup
-        from hetforge.memory.analytic import analytic_profile, usable_bytes
-
-        card = lookup(args.card)
-        if card is None:
-            raise ConfigError(f"--card {args.card!r}: not in the device table ({', '.join(d.name for d in DEVICES)})")
-        budget = resolve_budget(mem, usable_bytes(card)) if mem.budget not in (None, "auto") else usable_bytes(card)
-        prof = analytic_profile(model_cfg, micro, seq, card, cfg.train.optimizer, PROFILE_CACHE,
-                                pad_head_dim=cfg.model.pad_head_dim)
-        precision, device = prof.meta["precision"], f"{card.name} (estimated; attention: {prof.meta['attention']})"
-        console.print(f"estimating {card.name} for {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch "
-                      f"{micro} x {seq} tokens, {precision}, attention {prof.meta['attention']}, from this machine's profile ...")
-        compiled = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]  # a card is a GPU
-        dp = plan_profile(prof, model_cfg, mem, micro, budget, cfg.train.optimizer, compiled=compiled)
+    shape = _planned_shape(cfg)
+    out = Path(args.out or Path(cfg.run_dir) / "plan")
+    _check_output_dir(out, "plan --out")
+    with console.status("planning (tracing the model; profiling where a device is here) ...", spinner="dots"):
+        if args.cluster:
+            facts = declared_facts(cfg, shape, read_cluster_file(args.cluster), args.cluster)
+        elif args.card:
+            facts = card_facts(cfg, shape, args.card)
+        else:
+            facts = device_facts(cfg, shape, resolve_device(args.device))
+        plan = resolve_plan(cfg, shape, facts)
+    if args.json:
+        print(json.dumps(plan.to_dict()))
     else:
-        budget = resolve_budget(mem, device_memory_bytes(None, device))
-        console.print(f"profiling {model_cfg.n_layers} blocks (d={model_cfg.d_model}) at micro-batch {micro} x {seq} "
-                      f"tokens, {precision} on {device} ...")
-        compiled = compile_decision(cfg.train.compile, device, True)[0]
-        dp = plan_device(model_cfg, mem, seq, precision, device, micro, budget, cfg.train.optimizer, compiled=compiled)
-    prof = dp.profile
-    if not args.card:
-        console.print(tensors_table(prof))
-    console.print(units_table(prof))
-    console.print(decisions_table(dp.plan, prof))
-    console.print(breakdown_table(dp.prediction, budget))
-    if budget is not None:
-        console.print(baselines_table(prof, dp.plan, baselines(prof, budget, mem.granularity, mem.time_limit_s,
-                                                               rebuild_units(mem, compiled))))
-    if dp.plan.solve:
-        s = dp.plan.solve
-        if "seconds" in s:
-            console.print(f"HiGHS: {s['status']} in {s['seconds']:.3f}s, gap {s['gap']:.2%}, "
-                          f"{s['variables']} variables, {s['constraints']} constraints")
-    link = prof.link_bytes_per_s
-    how = "configured" if not prof.meta.get("link_measured") else f"measured {prof.meta.get('link_source', '')}".strip()
-    console.print(f"host link {link / 1e9:.1f} GB/s ({how})")
-    if dp.optimizer_offload:
-        console.print(f"optimizer state in host memory (it does not fit beside the weights and gradients): "
-                      f"+{dp.offload_s * 1e3:.1f} ms per optimizer step (gradients down, weights up, the host's step)")
-    png = plot_timeline(dp.prediction, dp.keep_all, budget, out / "memory_timeline.png",
-                        f"{cfg.name}: memory over one step (micro-batch {micro})")
-    path = save_plan(out / "plan.json", dp.plan, dp.prediction, budget,
-                     {"micro_batch": micro, "seq_len": seq, "precision": precision, "device": str(device)})
-    console.print(f"plan: {path}   timeline: {png}")
+        for table in plan.tables():
+            console.print(table)
+    plan.save(out)
+    if len(facts.ranks) == 1 and plan.ranks[0].plan is not None:
+        _memory_detail(cfg, shape, facts, plan, out, quiet=args.json)
+    if not args.json:
+        console.print(f"plan: {out / 'plan.json'} ({out / 'plan.txt'})")
     return 0
 
 
-def _plan_cluster(path: str, cfg, model_cfg, precision, device, out: Path) -> int:
-    from rich.markup import escape
-    from rich.table import Table
+def _planned_shape(cfg):
+    """The model's shape as `train` will build it: the vocabulary of the prepared tokenizer where
+    the data is prepared, else the configured one."""
+    from hetforge.model.gpt_neox import GPTNeoXConfig
 
-    from hetforge.cluster.probe import candidate_sizes
-    from hetforge.cluster.spec import cluster_nodes
-    from hetforge.config import ClusterConfig, ConfigError
+    meta = Path(cfg.data.out_dir) / "meta.json"
+    vocab = json.loads(meta.read_text())["vocab_size"] if meta.is_file() else cfg.data.tokenizer.vocab_size
+    return GPTNeoXConfig.from_model_config(cfg.model, vocab)
+
+
+def _memory_detail(cfg, shape, facts, plan, out: Path, quiet: bool) -> None:
+    """One device's activation plan in detail: its units, decisions, where memory and time go, the
+    baselines beside it, and a picture of memory over the step."""
+    from hetforge.cluster.run_plan import rank_device_plan
     from hetforge.core.console import console
-    import torch
+    from hetforge.memory.device_plan import rebuild_units
+    from hetforge.memory.milp import baselines
+    from hetforge.memory.report import (baselines_table, breakdown_table, decisions_table, plot_timeline,
+                                        tensors_table, units_table)
 
-    from hetforge.core.hardware import compile_decision, lookup
-    from hetforge.core.sizes import format_bytes
-    from hetforge.memory.analytic import analytic_profile, usable_bytes
-    from hetforge.memory.cluster_plan import DeviceKind, plan_cluster
-    from hetforge.memory.device_plan import PROFILE_CACHE
-    from hetforge.memory.profile import profile_model
+    dp = rank_device_plan(cfg, shape, facts, plan, 0)
+    prof, mem = dp.profile, cfg.memory
+    tables = ([] if prof.meta.get("analytic") else [tensors_table(prof)]) + [
+        units_table(prof), decisions_table(dp.plan, prof), breakdown_table(dp.prediction, dp.budget)]
+    if dp.budget is not None:
+        tables.append(baselines_table(prof, dp.plan, baselines(prof, dp.budget, mem.granularity, mem.time_limit_s,
+                                                               rebuild_units(mem, plan.compile))))
+    png = plot_timeline(dp.prediction, dp.keep_all, dp.budget, out / "memory_timeline.png",
+                        f"{cfg.name}: memory over one step (micro-batch {dp.micro_batch})")
+    if quiet:
+        return
+    for t in tables:
+        console.print(t)
+    s = dp.plan.solve
+    if "seconds" in s:
+        console.print(f"HiGHS: {s['status']} in {s['seconds']:.3f}s, gap {s['gap']:.2%}, "
+                      f"{s['variables']} variables, {s['constraints']} constraints")
+    how = prof.meta.get("link_source", "the card's PCIe" if prof.meta.get("analytic") else "configured")
+    console.print(f"host link {prof.link_bytes_per_s / 1e9:.1f} GB/s ({how})")
+    if dp.optimizer_offload:
+        console.print(f"optimizer state in host memory (it does not fit beside the weights and gradients): "
+                      f"+{dp.offload_s * 1e3:.1f} ms per optimizer step (gradients down, weights up, the host's step)")
+    console.print(f"timeline: {png}")
 
-    nodes = cluster_nodes(ClusterConfig(file=path))
-    counts: dict[tuple, int] = {}
-    for node in nodes:
-        for d in node.devices:
-            counts[(d.type, d.memory_gb, d.speed)] = counts.get((d.type, d.memory_gb, d.speed), 0) + d.count
-    seq, opt = cfg.train.seq_len, cfg.train.optimizer
-    link = cfg.memory.link_gbps * 1e9 if cfg.memory.link_gbps else None
-    kinds = []
-    gpu_compiles = compile_decision(cfg.train.compile, torch.device("cuda"), True)[0]  # a card of the table is a GPU
-    local_compiles = compile_decision(cfg.train.compile, torch.device(device), True)[0]
-    for (kind, mem_gb, speed), count in counts.items():
-        card = lookup(kind) if kind != "cpu" else None
-        if card is not None:  # a GPU of the table: its analytic profile, its usable memory
-            budget = mem_gb * 2**30 if mem_gb else usable_bytes(card)
-            at = (lambda b, card=card: analytic_profile(model_cfg, b, seq, card, opt, PROFILE_CACHE,
-                                                        pad_head_dim=cfg.model.pad_head_dim))
-            kinds.append(DeviceKind(kind, count, budget, at, compiled=gpu_compiles))
-            continue
-        if mem_gb is None:
-            raise ConfigError(f"{path}: device {kind!r} needs memory_gb: the plan is made for its memory")
-        at = (lambda b: profile_model(model_cfg, b, seq, precision, device, link, opt, PROFILE_CACHE,
-                                      compiled=local_compiles))
-        kinds.append(DeviceKind(kind, count, mem_gb * 2**30, at, speed or 1.0, compiled=local_compiles))
-    pc = cfg.parallel
-    link_bps = (pc.link_gbps or 10.0) * 1e9
-    gather = 4 if precision == "fp32" else 2
-    plan = plan_cluster(model_cfg, cfg.memory, kinds, pc.strategy, candidate_sizes(cfg.train.micro_batch_size),
-                        cfg.train.global_batch_size, seq, link_bps, opt, gather, pc.offload, pc.mesh.shard,
-                        pc.state_shares == "memory")
-    t = Table(title=f"cluster plan for {cfg.name} ({model_cfg.n_layers} x d{model_cfg.d_model}, seq {seq}): "
-                    f"{plan.strategy} over {sum(k.count for k in kinds)} ranks")
-    for col in ("device", "count", "memory", "strategy", "micro-batch", "plan", "predicted peak", "step ms", "samples/s"):
-        t.add_column(col)
-    rows = []
-    for kp in plan.kinds:
-        k = kp.kind
-        if kp.plan is None:
-            t.add_row(k.name, str(k.count), format_bytes(k.budget), plan.strategy, "-", escape(f"does not fit: {kp.error}"),
-                      "", "", "")
-            continue
-        dp = kp.plan
-        rows.append({"device": k.name, "count": k.count, "strategy": plan.strategy, "micro_batch": dp.micro_batch,
-                     "options": dp.plan.options, "peak_bytes": dp.prediction.peak_bytes,
-                     "time_s": dp.prediction.time_s, "samples_per_s": kp.samples_per_s,
-                     "state_share": kp.state_share})
-        t.add_row(k.name, str(k.count), format_bytes(k.budget), plan.strategy, str(dp.micro_batch), escape(dp.summary()),
-                  format_bytes(dp.prediction.peak_bytes), f"{dp.prediction.time_s * 1e3:.2f}", f"{kp.samples_per_s:.1f}")
-    console.print(t)
-    console.print(escape(plan.why))
-    if shares := [(r["device"], r["state_share"]) for r in rows if r["state_share"] is not None]:
-        console.print("zero1: optimizer state in proportion to memory, per rank of each kind: " +
-                      ", ".join(f"{d} {x:.1%}" for d, x in shares))
-    if plan.fits:
-        console.print(f"step: compute {plan.compute_s * 1e3:.1f} ms (the global batch balanced over the ranks), "
-                      f"collectives {plan.comm_s * 1e3:.1f} ms at {link_bps / 1e9:g} GB/s "
-                      f"({'parallel.link_gbps' if pc.link_gbps else 'assumed; set parallel.link_gbps'}): "
-                      f"{plan.tokens_per_s:,.0f} tokens/s predicted")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster_plans.json").write_text(json.dumps({"strategy": plan.strategy, "why": plan.why, "kinds": rows,
-                                                        "step_s": plan.step_s if plan.fits else None,
-                                                        "tokens_per_s": plan.tokens_per_s}, indent=1))
-    console.print(f"written {out / 'cluster_plans.json'}")
-    return 0 if plan.fits else 2
+
+def _check_output_dir(path: Path, what: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{what} {path} is a file; give a directory")
 
 
 def cmd_scale(args) -> int:

@@ -368,6 +368,7 @@ class ParallelConfig(_Strict):
     offload: Literal["none", "optimizer", "params"] = "none"
     mesh: MeshConfig = Field(default_factory=MeshConfig)
     link_gbps: float | None = Field(None, gt=0)  # GB/s between ranks for the planner; None: measured
+    link_latency_us: float = Field(50.0, ge=0)  # per collective, where link_gbps declares the link
     # FSDP shards consecutive blocks as one unit until it holds this many parameters (fewer,
     # larger collectives for a small model; a block of 4M parameters or more is a unit of its own).
     # Left unset, a run whose ranks fit only with one block a unit takes that.

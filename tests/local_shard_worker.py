@@ -1,6 +1,7 @@
-"""Run under torchrun by tests/test_sharded.py: each rank probes an FSDP2-wrapped proxy on a mesh of
-itself alone (`train.parallel.local_sharding`) at sizes no other rank uses, so a collective crossing
-ranks would hang; rank r saves its time model's sizes and the wrapped and bare proxies' logits."""
+"""Run under torchrun by tests/test_sharded.py: each rank times an FSDP2-wrapped proxy on a mesh of
+itself alone (`train.parallel.local_sharding`, as a launched run's `cluster.facts.LocalView` does) at
+sizes no other rank uses, so a collective crossing ranks would hang; rank r saves the sizes it timed
+and the wrapped and bare models' logits."""
 
 import json
 import sys
@@ -9,9 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from hetforge.cluster.probe import probe, saved_bytes_per_sample
-from hetforge.cluster.spec import Slowdown
-from hetforge.core.precision import Precision
+from hetforge.cluster.facts import CPU, LocalView
+from hetforge.cluster.run_plan import RankFacts
+from hetforge.config import build_config
+from hetforge.model.accounting import ShardLayout
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
 from hetforge.train.parallel import local_sharding
 
@@ -23,21 +25,24 @@ def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cpu = torch.device("cpu")
-    prec = Precision("fp32", cpu)
     bare = GPTNeoX.build(CFG, cpu, seed=0)
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = bare(x)
-    proxy = GPTNeoX.build(CFG, cpu, seed=0)
+    wrapped = GPTNeoX.build(CFG, cpu, seed=0)
     with local_sharding(cpu, "fsdp", None, 1) as wrap:
-        # rank 0 times sizes 1, 2, 4; rank 1 size 1 only: their micro-step counts differ
-        tm, facts = probe(proxy, SEQ, VOCAB, cpu, prec.autocast, 4 if rank == 0 else 1, None, Slowdown(None),
-                          steps=2, wrap=wrap)
+        wrap(wrapped)
         with torch.no_grad():
-            got = proxy(x)
-    result = {"sizes": [b for b, _ in tm.points], "wrapped": isinstance(proxy, FSDPModule),
-              "max_abs_diff": (got - want).abs().max().item(), "act": facts["activation_bytes_per_sample"],
-              "act_bare": saved_bytes_per_sample(bare, SEQ, VOCAB, cpu, prec.autocast)}
+            got = wrapped(x)
+    cfg = build_config({"model": {"preset": None, "n_layers": 2, "d_model": 32, "n_heads": 4, "d_ff": 64},
+                        "train": {"seq_len": SEQ}, "cluster": {"probe_steps": 2}})
+    view = LocalView(RankFacts(rank, 0, "localhost", "cpu", CPU, None), cfg, CFG, cpu,
+                     sharding=lambda layout, precision: local_sharding(cpu, layout.strategy, None, layout.unit_params))
+    # rank 0 times sizes 1, 2, 4; rank 1 size 1 only: their micro-step counts differ
+    times = view.step_times([1, 2, 4] if rank == 0 else [1], "fp32", ShardLayout("fsdp", 2, 4, unit_params=1), {},
+                            CFG.head_dim)
+    result = {"sizes": sorted(times), "positive": all(t > 0 for t in times.values()),
+              "wrapped": isinstance(wrapped, FSDPModule), "max_abs_diff": (got - want).abs().max().item()}
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from hetforge.cluster.assign import DriftMonitor
+from hetforge.cluster.balance import DriftMonitor
 from hetforge.cluster.balance import (
     BalanceError,
     RankInfo,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from hetforge.cli import main
@@ -34,7 +35,10 @@ def test_a_checkpoint_serves_eval_generate_and_export_from_any_directory(make_cf
     assert state["data_fingerprint"] == json.loads((work / "data" / "meta.json").read_text())["fingerprint"]
     assert Path(state["data_dir"]).is_absolute() and state["balance"]["global_batch"] == 4
     assert set(torch.load(found / "rng.pt", weights_only=True)) == {"ranks"}
-    assert {"optimizer.pt", "scaler.pt"} <= {f.name for f in found.iterdir()}
+    assert {"dcp", "scaler.pt"} <= {f.name for f in found.iterdir()}
+    weights, optim = ckpt.read_tensors(found, "model"), ckpt.read_tensors(found, "optim")
+    assert set(optim) == {n for n in weights if n in optim} and "layers.0.mlp.dense_h_to_4h.weight" in optim
+    assert optim["layers.0.mlp.dense_h_to_4h.weight"]["exp_avg"].shape == weights["layers.0.mlp.dense_h_to_4h.weight"].shape
 
     monkeypatch.chdir(elsewhere)
     capsys.readouterr()
@@ -108,22 +112,52 @@ def test_a_run_removes_the_temp_dirs_its_killed_writers_left(make_cfg, tmp_path)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
 
 
-def test_components_round_trip_and_a_missing_one_is_an_error(tmp_path):
+def test_training_state_round_trips_and_a_weights_only_checkpoint_is_an_error(tmp_path):
+    from hetforge.cluster.dist import DistContext
+
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    path = ckpt.save_checkpoint(tmp_path, 1, model, {"optimizer": opt}, {"consumed_samples": 5},
-                                rng=[{"torch": torch.get_rng_state()}])
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    manager = ckpt.CheckpointManager(tmp_path / "checkpoints", DistContext(), keep=2, sharded=False)
+    path, error = manager.save(1, model, opt, ["weight", "bias"], scaler, {"consumed_samples": 5}, None)
+    assert error is None and (path / "dcp").is_dir() and ckpt.read_state(path)["consumed_samples"] == 5
     fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ckpt.load_components(path, {"optimizer": fresh})
+    manager.load_training(path, model, fresh, ["weight", "bias"], scaler)
     assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
-    try:
-        ckpt.load_components(path, {"scaler": torch.amp.GradScaler("cpu", enabled=False)})
-    except ckpt.CheckpointError as err:
-        assert "no scaler state" in str(err)
-    else:
-        raise AssertionError("a missing component must not pass silently")
+    assert fresh.state_dict()["state"][1]["step"] == 1
+    weights_only = ckpt.write_weights_checkpoint(tmp_path / "imported", model, {"step": 0})
+    with pytest.raises(ckpt.CheckpointError, match="no optimizer state"):
+        manager.load_training(weights_only, model, torch.optim.AdamW(model.parameters()), ["weight", "bias"], scaler)
+
+
+def test_a_checkpoint_of_the_old_format_resumes(make_cfg, tmp_path):
+    """model.safetensors + optimizer.pt + scaler.pt, as hetforge wrote them before DCP for every
+    strategy: a run resumes from one and ends where an uninterrupted run does."""
+    from safetensors.torch import save_file
+
+    full = train(make_cfg("full", steps=8, checkpoint_interval=4))
+    cfg = make_cfg("old", steps=8, checkpoint_interval=4)
+    train(cfg, stop_after=4)
+    new = ckpt.resolve(cfg.run_dir)
+    assert new.name == "step_00000004"
+    old = new.parent / "step_00000004.old"
+    shutil.copytree(new, old)
+    save_file(ckpt.read_tensors(new, "model"), str(old / "model.safetensors"))
+    from hetforge.train.optim import param_order
+    from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig
+
+    order = param_order(GPTNeoX(GPTNeoXConfig(**ckpt.read_state(new)["model_config"])))
+    named = ckpt.read_tensors(new, "optim")
+    torch.save({"state": {i: named[n] for i, n in enumerate(order)},
+                "param_groups": [{"params": list(range(len(order)))}]}, old / "optimizer.pt")
+    shutil.rmtree(old / "dcp")
+    ckpt.write_manifest(old, 4)
+    shutil.rmtree(new)
+    old.rename(new)
+    res = train(cfg)
+    assert res.step == 8 and res.losses[8] == full.losses[8]
 
 
 def test_writers_of_one_file_at_once_each_publish_a_whole_copy(tmp_path):

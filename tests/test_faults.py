@@ -115,17 +115,18 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_one(make_cfg, monkeypa
     from hetforge.train import checkpoint as ckpt_mod
 
     cfg = make_cfg("full", steps=8, checkpoint_interval=2)
-    real = ckpt_mod.save_model
+    real = ckpt_mod.save_dcp
     calls = {"n": 0}
 
-    def filling_disk(model, path):
+    def filling_disk(directory, payload, collective):
         calls["n"] += 1
         if calls["n"] == 2:  # the second checkpoint (step 4)
-            Path(path).write_bytes(b"\0" * 4096)
+            (Path(directory) / "dcp").mkdir()
+            (Path(directory) / "dcp" / "__0_0.distcp").write_bytes(b"\0" * 4096)
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(model, path)
+        real(directory, payload, collective)
 
-    monkeypatch.setattr(ckpt_mod, "save_model", filling_disk)
+    monkeypatch.setattr(ckpt_mod, "save_dcp", filling_disk)
     res = train(cfg)
     assert res.step == 8
     root = Path(cfg.run_dir) / "checkpoints"
@@ -142,14 +143,14 @@ def test_disk_full_on_the_final_checkpoint_is_one_error_and_keeps_the_last(make_
     from hetforge.train.checkpoint import CheckpointError
 
     cfg = make_cfg("full-final", steps=4, checkpoint_interval=2)
-    real = ckpt_mod.save_model
+    real = ckpt_mod.save_dcp
 
-    def full_at_the_end(model, path):
-        if "00000004" in str(path):
+    def full_at_the_end(directory, payload, collective):
+        if "00000004" in str(directory):
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(model, path)
+        real(directory, payload, collective)
 
-    monkeypatch.setattr(ckpt_mod, "save_model", full_at_the_end)
+    monkeypatch.setattr(ckpt_mod, "save_dcp", full_at_the_end)
     with pytest.raises(CheckpointError, match="No space left on device"):
         train(cfg)
     root = Path(cfg.run_dir) / "checkpoints"

@@ -49,20 +49,18 @@ def test_auto_pads_only_where_a_fused_kernel_then_applies():
 
 
 def test_the_analytic_profile_counts_the_attention_matrix_only_without_padding():
-    from tests.test_decisions import proxies  # the recorded 350m proxies (head size 64)
-
-    from hetforge.memory.analytic import profile_from_proxies
+    from hetforge.memory.analytic import analytic_profile
     from hetforge.model.presets import PRESETS
 
-    shape, lo, hi = proxies()
-    odd = GPTNeoXConfig(**{**shape.to_dict(), "n_heads": 15, "d_model": 15 * 66})  # head size 66: not aligned
-    assert odd.head_dim == 66 and PRESETS["forge-s"].head_dim == 86
+    odd = GPTNeoXConfig(n_layers=2, d_model=15 * 66, n_heads=15, d_ff=4 * 15 * 66, vocab_size=512)
+    assert odd.head_dim == 66 and PRESETS["forge-s"].head_dim == 86  # 66: not aligned
     a100 = lookup("A100-40GB")
-    auto = profile_from_proxies(odd, 1, 2048, a100, lo, hi)
-    off = profile_from_proxies(odd, 1, 2048, a100, lo, hi, pad_head_dim="off")
+    auto = analytic_profile(odd, 1, 2048, a100)
+    off = analytic_profile(odd, 1, 2048, a100, pad_head_dim="off")
     assert (auto.meta["head_dim"], auto.meta["attention"]) == (72, "flash")
     assert (off.meta["head_dim"], off.meta["attention"]) == (66, "math")
     probs = 1 * 15 * 2048 * 2048 * 2
     sdpa = {u.name: u.bytes for u in off.blocks[0].units}["attn.sdpa"] - \
         {u.name: u.bytes for u in auto.blocks[0].units}["attn.sdpa"]
-    assert sdpa == pytest.approx(probs)
+    # the padded run's own output is wider by its zero channels: a fraction of the matrix
+    assert sdpa == pytest.approx(probs, rel=0.01) and sdpa < probs

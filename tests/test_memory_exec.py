@@ -278,7 +278,7 @@ def test_training_under_a_budget_matches_training_without(make_cfg, tmp_path):
     metrics = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     # hardware FLOPs count the plan's recomputation, model FLOPs do not (which plan fits half the
     # activations, recomputing or offloading, follows this machine's measured profile)
-    options = json.loads((Path(cfg.run_dir) / "memory" / "plans.json").read_text())[0]["options"]
+    options = json.loads((Path(cfg.run_dir) / "plan.json").read_text())["ranks"][0]["activation_plan"]
     recomputes = any("recompute" in o for o in options)
     assert all(r["hfu"] >= r["mfu"] > 0 and (r["hfu"] > r["mfu"]) == recomputes for r in metrics["train"])
     events = [r for r in metrics["event"] if r.get("event") == "memory_plan_check"]
@@ -300,7 +300,7 @@ def test_plan_command_tables_files_and_errors(make_cfg, tmp_path, capsys):
                   "predicted peak memory", "recompute-only MILP", "HiGHS"):
         assert title in text
     saved = json.loads((out / "plan.json").read_text())
-    assert saved["prediction"]["peak_bytes"] <= 4 * 2**20
+    assert saved["ranks"][0]["predicted_peak_bytes"] <= 4 * 2**20 and saved["ranks"][0]["activation_plan"]
     assert (out / "memory_timeline.png").stat().st_size > 5000
     # a budget no plan meets names the smallest one; one below the static memory says so
     off = ["--set", "memory.optimizer_offload=off"]

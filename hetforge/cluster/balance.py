@@ -19,12 +19,16 @@ import bisect
 import heapq
 import json
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.core.errors import HetforgeError
 from hetforge.core.sizes import format_bytes
+
+
+BALANCE_FILE = "balance.json"  # a run's balance as it stands (the plan's, or re-balanced since)
 
 
 class BalanceError(HetforgeError, ValueError):
@@ -413,3 +417,37 @@ def choose_accumulation(sharded: BalancePlan | None, unsharded: BalancePlan | No
                            f"{u * 1e3:.0f} ms against {a * 1e3:.0f} ms reducing every micro-batch")
     return sharded, (f"auto: gradients reduce-scattered every micro-batch: predicted {a * 1e3:.0f} ms against "
                      f"{u * 1e3:.0f} ms accumulating unsharded")
+
+
+class DriftMonitor:
+    """Watches each rank's measured compute time per step against the plan's prediction. When some
+    rank is off by more than `threshold` (relative to the median rank) for `window` consecutive
+    steps, it rescales that rank's time model by what was observed and solves again. The global
+    batch never changes; every rank sees the same gathered times, so all reach the same new plan."""
+
+    def __init__(self, plan: BalancePlan, threshold: float, window: int, warmup_steps: int = 2):
+        self.plan, self.threshold, self.window, self.warmup = plan, threshold, window, warmup_steps
+        self.strikes, self.seen = 0, 0
+        self.models = [TimeModel(m["points"], m["max_micro"], m.get("step_costs", []), m.get("per_micro_s", 0.0),
+                                 m.get("per_step_s", 0.0))
+                       for m in plan.models]
+
+    def observe(self, compute_s: list[float]) -> BalancePlan | None:
+        self.seen += 1
+        if self.seen <= self.warmup or len(self.models) != len(compute_s):
+            return None
+        ratios = {s.rank: compute_s[s.rank] / s.predicted_s for s in self.plan.shares
+                  if s.samples > 0 and s.predicted_s > 0}
+        if len(ratios) < 2:
+            return None
+        med = statistics.median(ratios.values())
+        drift = max(abs(r / med - 1.0) for r in ratios.values())
+        self.strikes = self.strikes + 1 if drift > self.threshold else 0
+        if self.strikes < self.window:
+            return None
+        self.models = [m.scaled(ratios.get(i, med)) for i, m in enumerate(self.models)]
+        infos = [RankInfo(s.rank, s.host, s.device, s.memory_gb, m) for s, m in zip(self.plan.shares, self.models)]
+        new = balanced_plan(infos, self.plan.global_batch)
+        new.fingerprint, new.mode = self.plan.fingerprint, "rebalanced"
+        self.plan, self.strikes, self.seen = new, 0, 0
+        return new

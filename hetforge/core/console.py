@@ -38,3 +38,13 @@ def make_progress(*extra_columns, enabled: bool = True) -> Progress:
         disable=not enabled or not sys.stdout.isatty(),
         transient=False,
     )
+
+
+def render_text(*renderables) -> str:
+    """Tables and text as plain text (no colour), e.g. for a file beside a run's JSON."""
+    from io import StringIO
+
+    out = Console(file=StringIO(), width=140, color_system=None, highlight=False, soft_wrap=True)
+    for r in renderables:
+        out.print(r)
+    return out.file.getvalue()

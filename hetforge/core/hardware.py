@@ -86,6 +86,7 @@ class DeviceInfo:
     compute_capability: tuple[int, int] | None
     power_w: float
     link_gbps: float = 12.0  # host link as pinned copies see it: PCIe 3 x16 ~12, 4 ~24, 5 ~50 GB/s
+    memory_gbps: float = 900.0  # the card's memory bandwidth (datasheet), what elementwise kernels run at
 
     def caps(self):
         """As `detect` describes the card when it is here."""
@@ -101,19 +102,19 @@ class DeviceInfo:
 
 
 DEVICES: tuple[DeviceInfo, ...] = (
-    DeviceInfo("K80", 12, 4.37, 4.37, None, (3, 7), 150),
-    DeviceInfo("P100", 16, 9.3, 18.7, None, (6, 0), 250),
-    DeviceInfo("GTX 1080 Ti", 11, 11.3, 0.18, None, (6, 1), 250),  # fp16 at 1/64 rate on GP102
-    DeviceInfo("V100", 16, 15.7, 125.0, None, (7, 0), 300),
-    DeviceInfo("V100-32GB", 32, 15.7, 125.0, None, (7, 0), 300),
-    DeviceInfo("T4", 16, 8.1, 65.0, None, (7, 5), 70),
-    DeviceInfo("RTX 2080 Ti", 11, 13.4, 53.8, None, (7, 5), 250),
-    DeviceInfo("RTX 3090", 24, 35.6, 71.0, 71.0, (8, 6), 350, 24.0),
-    DeviceInfo("A100-40GB", 40, 19.5, 312.0, 312.0, (8, 0), 400, 24.0),
-    DeviceInfo("A100-80GB", 80, 19.5, 312.0, 312.0, (8, 0), 400, 24.0),
-    DeviceInfo("H100", 80, 67.0, 989.0, 989.0, (9, 0), 700, 50.0),
-    DeviceInfo("H200", 141, 67.0, 989.0, 989.0, (9, 0), 700, 50.0),
-    DeviceInfo("MI250X-GCD", 64, 23.9, 191.5, 191.5, None, 280, 24.0),
+    DeviceInfo("K80", 12, 4.37, 4.37, None, (3, 7), 150, memory_gbps=240),
+    DeviceInfo("P100", 16, 9.3, 18.7, None, (6, 0), 250, memory_gbps=732),
+    DeviceInfo("GTX 1080 Ti", 11, 11.3, 0.18, None, (6, 1), 250, memory_gbps=484),  # fp16 at 1/64 rate on GP102
+    DeviceInfo("V100", 16, 15.7, 125.0, None, (7, 0), 300, memory_gbps=900),
+    DeviceInfo("V100-32GB", 32, 15.7, 125.0, None, (7, 0), 300, memory_gbps=900),
+    DeviceInfo("T4", 16, 8.1, 65.0, None, (7, 5), 70, memory_gbps=320),
+    DeviceInfo("RTX 2080 Ti", 11, 13.4, 53.8, None, (7, 5), 250, memory_gbps=616),
+    DeviceInfo("RTX 3090", 24, 35.6, 71.0, 71.0, (8, 6), 350, 24.0, memory_gbps=936),
+    DeviceInfo("A100-40GB", 40, 19.5, 312.0, 312.0, (8, 0), 400, 24.0, memory_gbps=1555),
+    DeviceInfo("A100-80GB", 80, 19.5, 312.0, 312.0, (8, 0), 400, 24.0, memory_gbps=2039),
+    DeviceInfo("H100", 80, 67.0, 989.0, 989.0, (9, 0), 700, 50.0, memory_gbps=3350),
+    DeviceInfo("H200", 141, 67.0, 989.0, 989.0, (9, 0), 700, 50.0, memory_gbps=4800),
+    DeviceInfo("MI250X-GCD", 64, 23.9, 191.5, 191.5, None, 280, 24.0, memory_gbps=1638),
 )
 
 

@@ -40,6 +40,11 @@ class Precision:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.name]
 
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype FSDP2 gathers weights in for compute (None: as stored, fp32)."""
+        return None if self.name == "fp32" else self.dtype
+
     def autocast(self):
         """Weights stay fp32 (master copy); matmuls run in the low-precision dtype."""
         if self.name == "fp32":

@@ -1,27 +1,28 @@
-"""Planning for one device: profile → plan → prediction, for a config's model at a micro-batch.
-
-This is the API the training loop and the batch balancer use: `plan_device` for one micro-batch,
-`feasible_plans` for every candidate micro-batch of a device (the balancer's time model then
-includes the recomputation and transfer a memory-limited device pays).
+"""Planning for one device: profile -> activation plan -> prediction, at a micro-batch: what the
+run's plan (`cluster.run_plan`) asks of every rank, measured here (`plan_device`) or on any profile,
+measured or estimated for a card that is not here (`plan_profile`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hetforge.memory.milp import PlanError, plan_for_strategy
-from hetforge.core.hardware import compile_decision
-from hetforge.core.precision import resolve_precision
 from hetforge.core.sizes import format_bytes, parse_size
 from hetforge.memory.plan import ModelProfile, Plan, Prediction, simulate
 from hetforge.memory.profile import profile_model
 from hetforge.model.accounting import ShardLayout, static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
-PROFILE_CACHE = Path("data_cache") / "memory_profiles"
+def profile_cache() -> Path:
+    """Where measured profiles are kept (keyed by what was measured): `HETFORGE_CACHE`, else the
+    user's cache directory; never the working directory."""
+    root = os.environ.get("HETFORGE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetforge"
+    return Path(root) / "memory_profiles"
 
 
 @dataclass
@@ -70,7 +71,7 @@ def comm_workspace(backend: str | None, grad_bytes: float) -> float:
 
 def plan_device(
     model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, micro_batch: int,
-    budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
+    budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = None,
     workspace_bytes: float = 0.0, layout: ShardLayout | None = None, compiled: bool = False,
 ) -> DevicePlan:
     """Profile this device and plan on it. Raises PlanError (naming the smallest feasible budget)
@@ -131,35 +132,10 @@ def rebuild_units(mem_cfg, compiled: bool) -> bool:
 
 
 def plan_for_config(cfg, model_cfg: GPTNeoXConfig, device: torch.device, micro_batch: int,
-                    device_memory: float | None, cache_dir: Path | None, backend: str | None = None,
-                    layout: ShardLayout | None = None) -> DevicePlan:
-    """`plan_device` with the budget, precision and optimizer a run config gives for this device,
-    and the all-reduce workspace of a distributed run on `backend` (DDP's buckets; FSDP's
-    per-unit buffers are counted in the layout's gathered bytes)."""
-    prof_static = static_bytes(model_cfg, cfg.train.optimizer)
-    workspace = 0.0 if layout is not None and layout.sharded else comm_workspace(backend, prof_static["gradients"])
-    compiled = compile_decision(cfg.train.compile, device, True)[0]
+                    device_memory: float | None = None, cache_dir: Path | None = None) -> DevicePlan:
+    """`plan_device` with the budget, precision and optimizer a run config gives, for this device
+    alone (a run plans every rank through `cluster.run_plan`)."""
+    from hetforge.core.precision import resolve_precision
+
     return plan_device(model_cfg, cfg.memory, cfg.train.seq_len, resolve_precision(cfg.train.precision, device),
-                       device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer,
-                       cache_dir, workspace, layout, compiled)
-
-
-def feasible_plans(
-    model_cfg: GPTNeoXConfig, mem_cfg, seq_len: int, precision: str, device: torch.device, sizes: list[int],
-    budget: float | None, optimizer: str = "adamw", cache_dir: Path | None = PROFILE_CACHE,
-    speed: float = 1.0,
-) -> dict[int, DevicePlan | PlanError]:
-    """Per candidate micro-batch its plan, or why none fits. `speed` divides the predicted time
-    (a declared device profiled on another one)."""
-    out: dict[int, DevicePlan | PlanError] = {}
-    for b in sizes:
-        try:
-            dp = plan_device(model_cfg, mem_cfg, seq_len, precision, device, b, budget, optimizer, cache_dir)
-        except PlanError as err:
-            out[b] = err
-            continue
-        if speed != 1.0:
-            dp.prediction.time_s /= speed
-            dp.keep_all.time_s /= speed
-        out[b] = dp
-    return out
+                       device, micro_batch, resolve_budget(cfg.memory, device_memory), cfg.train.optimizer, cache_dir)

@@ -466,7 +466,7 @@ def eager(fn):
 def parameter_storages(model: torch.nn.Module) -> set[int]:
     """Storages of the weights (a sharded model's local shards; its gathered weights are
     recognised as parameters when saved, see `PlanRunner._pack`)."""
-    return {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr() for p in model.parameters()}
+    return {storage_key(p.to_local() if isinstance(p, DTensor) else p) for p in model.parameters()}
 
 
 class PlannedBlocks(Blocks):

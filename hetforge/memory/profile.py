@@ -45,7 +45,7 @@ from hetforge.memory.measure import PeakMeter
 from hetforge.memory.plan import (BRANCHES, BlockProfile, BranchPlan, Decision, ModelProfile, Plan, Unit,
                                   budget_key, resolve_option)
 from hetforge.memory.units import Labeller, is_view_op, rebuilds, storage_key, tensor_bytes
-from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding
+from hetforge.model.gpt_neox import Block, GPTNeoXConfig, RotaryEmbedding, set_head_padding
 from hetforge.model.accounting import static_bytes
 from hetforge.core.precision import DTYPES, Precision
 
@@ -155,13 +155,21 @@ class _OpClock(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         _sync(self.device)
         self.time[unit or ""] = self.time.get(unit or "", 0.0) + time.perf_counter() - t0
-        ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        weight_only = bool(ins) and all(storage_key(a) in self.params for a in ins)
-        if unit is not None and not is_view_op(func) and not weight_only:
-            # per op, not per address: an intermediate's address is reused by the next one
-            made = {storage_key(o): o.untyped_storage().nbytes() for o in tree_leaves(out) if isinstance(o, torch.Tensor)}
-            self.bytes[unit] = self.bytes.get(unit, 0) + sum(made.values())
+        made = made_bytes(args, kwargs or {}, out, self.params) if unit is not None and not is_view_op(func) else None
+        if made is not None:
+            self.bytes[unit] = self.bytes.get(unit, 0) + made
         return out
+
+
+def made_bytes(args, kwargs, out, params: set[int]) -> int | None:
+    """The bytes of what an op (not a view) produced, which selective checkpointing could cache;
+    None for an op on weights alone (a cast of a weight is made again whatever the plan). Counted
+    per op, not per storage: an intermediate's storage is reused by the next one."""
+    ins = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if ins and all(storage_key(a) in params for a in ins):
+        return None
+    made = {storage_key(o): o.untyped_storage().nbytes() for o in tree_leaves(out) if isinstance(o, torch.Tensor)}
+    return sum(made.values())
 
 
 class Fp32Matmul(TorchDispatchMode):
@@ -244,35 +252,46 @@ def one_branch(branch: str, plan: BranchPlan, other: BranchPlan = BranchPlan("ke
     return (Decision(plan, other) if branch == "attn" else Decision(other, plan)).encode()
 
 
-def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-                  repeats: int = 3, min_seconds: float = 0.0, chain: int = 1, compiled: bool = False) -> BlockProfile:
-    """One block measured (see the module's docstring). `compiled`: a compiled run's profile. Its
-    times are taken on compiled branches, as such a run keeps or recomputes them (a branch whose plan
-    caches, offloads or rebuilds units runs eager there too, `executor.per_op_decisions`, and is
-    timed so); its saved units are still recorded eager, where they have names; and every kept
-    branch is also measured compiled at each budget of `compiled.COMPILED_BUDGETS`: the bytes its
-    graph saves and the time it adds over the branch compiled plainly."""
-    torch.manual_seed(0)
-    block = Block(cfg).to(device)
-    rot = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base).to(device)
-    cos, sin = rot.cos_sin(seq, device)
-    params = parameter_storages(block)
-    x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
-    grad = torch.randn_like(x0)
-    a = tensor_bytes(x0)
-    ac = lambda: _autocast(precision, device)  # noqa: E731
-    users = input_users(cfg.parallel_residual)
+def _on(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`module` on `device`; built there already on the CPU (fake tensors cannot be moved in place)."""
+    return module if device.type == "cpu" else module.to(device)
 
-    def run(option: str, record: bool = False) -> tuple[float, float, list[dict]]:
+
+class BlockBench:
+    """One block of `cfg` with its input and incoming gradient, run under named options: what
+    `profile_block` measures, and what `memory.analytic` traces on fake tensors (no memory, no
+    compute) for a card that is not here. `meter` makes the peak meter (`PeakMeter`, or the fake
+    trace's own); `head_dim`: the head size attention runs at (`model.pad_head_dim`)."""
+
+    def __init__(self, cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
+                 meter: Callable[[torch.device], PeakMeter] = PeakMeter, head_dim: int | None = None):
+        torch.manual_seed(0)
+        self.cfg, self.device, self.precision, self.meter = cfg, device, precision, meter
+        self.block = _on(Block(cfg), device)
+        if head_dim is not None and head_dim != cfg.head_dim:
+            set_head_padding(self.block, head_dim)
+        rot = _on(RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base), device)
+        self.cos, self.sin = rot.cos_sin(seq, device)
+        self.params = parameter_storages(self.block)
+        self.x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
+        self.grad = torch.randn_like(self.x0)
+        self.input_bytes = tensor_bytes(self.x0)
+        self.users = input_users(cfg.parallel_residual)
+
+    def autocast(self):
+        return _autocast(self.precision, self.device)
+
+    def run(self, option: str, record: bool = False) -> tuple[float, float, list[dict]]:
         """The block's own peaks in forward and backward under `option`, and what it saved."""
-        runner = PlanRunner(Plan([option]), params, cfg.parallel_residual, random=cfg.dropout > 0)
+        cfg, block, a = self.cfg, self.block, self.input_bytes
+        runner = PlanRunner(Plan([option]), self.params, cfg.parallel_residual, random=cfg.dropout > 0)
         runner.ledger.record = record
         handles = runner.install_labels([block])
-        x = x0.detach().requires_grad_(True)
-        with PeakMeter(device) as fwd_meter, ac():
-            out = runner([block], x, cos, sin)
-        with PeakMeter(device) as bwd_meter:
-            out.backward(grad)
+        x = self.x0.detach().requires_grad_(True)
+        with self.meter(self.device) as fwd_meter, self.autocast():
+            out = runner([block], x, self.cos, self.sin)
+        with self.meter(self.device) as bwd_meter:
+            out.backward(self.grad)
         for hd in handles:
             hd.remove()
         block.zero_grad(set_to_none=False)
@@ -282,40 +301,59 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         bwd = 2 * a + fwd_meter.net - tensor_bytes(out) + bwd_meter.peak
         return float(fwd), float(bwd), runner.ledger.tensors
 
-    run("keep")  # gradients allocated, so no later measure counts them
-    # Per (attention, MLP) mode: offloaded tensors are back on the device in the block's backward,
-    # so only recomputation changes the block's own peaks.
-    peaks = {}
-    for o in ("keep", "recompute-attn", "recompute-mlp", "recompute"):
-        fwd, bwd, saved = run(o, record=o == "keep")
-        d = resolve_option(o, users)
-        peaks[f"{d.attn.mode}/{d.mlp.mode}"] = [fwd, bwd]
-        if o == "keep":
-            kept = saved
-            tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
-    table = rebuilds(cfg.parallel_residual)
-    every = {br: frozenset(n for n in table if n.startswith(br + ".")) for br in BRANCHES}
-    _, _, rebuilt = run(Decision(BranchPlan("keep", frozenset(), every["attn"]),
-                                 BranchPlan("keep", frozenset(), every["mlp"])).encode(), record=True)
-    units = _saved_units(kept, users, rebuilt)
-    budget_held = {}
-    if compiled:
-        for br in BRANCHES:
-            for b in COMPILED_BUDGETS:
-                # the other branch recomputed: it saves nothing but the block's input, an input unit
-                option = one_branch(br, BranchPlan("keep", budget=b), BranchPlan("recompute"))
-                _, _, saved_at = run(option, record=True)
-                held = {r["key"]: r["bytes"] for r in saved_at if r["unit"] not in users}
-                budget_held[(br, b)] = float(sum(held.values()))
+    def record(self, compiled: bool = False) -> tuple[list[Unit], dict[str, list[float]], list[dict], dict]:
+        """The block's saved and input units, its own peaks per pair of branch modes, the saved
+        tensors, and (`compiled`) the bytes each kept branch saves at each compile budget."""
+        self.run("keep")  # gradients allocated, so no later measure counts them
+        # Per (attention, MLP) mode: offloaded tensors are back on the device in the block's backward,
+        # so only recomputation changes the block's own peaks.
+        peaks = {}
+        for o in ("keep", "recompute-attn", "recompute-mlp", "recompute"):
+            fwd, bwd, saved = self.run(o, record=o == "keep")
+            d = resolve_option(o, self.users)
+            peaks[f"{d.attn.mode}/{d.mlp.mode}"] = [fwd, bwd]
+            if o == "keep":
+                kept = saved
+                tensors = [{k: r[k] for k in ("unit", "shape", "dtype", "bytes")} for r in saved]
+        table = rebuilds(self.cfg.parallel_residual)
+        every = {br: frozenset(n for n in table if n.startswith(br + ".")) for br in BRANCHES}
+        _, _, rebuilt = self.run(Decision(BranchPlan("keep", frozenset(), every["attn"]),
+                                          BranchPlan("keep", frozenset(), every["mlp"])).encode(), record=True)
+        units = _saved_units(kept, self.users, rebuilt)
+        budget_held = {}
+        if compiled:
+            for br in BRANCHES:
+                for b in COMPILED_BUDGETS:
+                    # the other branch recomputed: it saves nothing but the block's input, an input unit
+                    option = one_branch(br, BranchPlan("keep", budget=b), BranchPlan("recompute"))
+                    _, _, saved_at = self.run(option, record=True)
+                    held = {r["key"]: r["bytes"] for r in saved_at if r["unit"] not in self.users}
+                    budget_held[(br, b)] = float(sum(held.values()))
+        return units, peaks, tensors, budget_held
 
-    # Op units: what each op group produces, and its share of its branch's forward time.
-    def branch_fwd(name):
+    def branch_forward(self, name: str) -> Callable[[], None]:
         def go():
-            x = x0.detach().requires_grad_(True)
-            with ac():
-                block.attn_branch(x, cos, sin) if name == "attn" else block.mlp_branch(x)
+            x = self.x0.detach().requires_grad_(True)
+            with self.autocast():
+                self.block.attn_branch(x, self.cos, self.sin) if name == "attn" else self.block.mlp_branch(x)
         return go
 
+
+def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
+                  repeats: int = 3, min_seconds: float = 0.0, chain: int = 1, compiled: bool = False) -> BlockProfile:
+    """One block measured (see the module's docstring). `compiled`: a compiled run's profile. Its
+    times are taken on compiled branches, as such a run keeps or recomputes them (a branch whose plan
+    caches, offloads or rebuilds units runs eager there too, `executor.per_op_decisions`, and is
+    timed so); its saved units are still recorded eager, where they have names; and every kept
+    branch is also measured compiled at each budget of `compiled.COMPILED_BUDGETS`: the bytes its
+    graph saves and the time it adds over the branch compiled plainly."""
+    bench = BlockBench(cfg, micro_batch, seq, precision, device)
+    block, params, x0, grad, cos, sin = bench.block, bench.params, bench.x0, bench.grad, bench.cos, bench.sin
+    ac, a = bench.autocast, bench.input_bytes
+    units, peaks, tensors, budget_held = bench.record(compiled)
+    table = rebuilds(cfg.parallel_residual)
+
+    # Op units: what each op group produces, and its share of its branch's forward time.
     labeller = Labeller()
     handles = labeller.install(block)
     clocks = []
@@ -324,7 +362,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
         for br in BRANCHES:
             labeller.set("")
             with clock:
-                branch_fwd(br)()
+                bench.branch_forward(br)()
         clocks.append(clock)
     for hd in handles:
         hd.remove()
@@ -550,39 +588,52 @@ def sandwiched(run: Callable[[str], float], options: list[str], base: str, more:
     return extras
 
 
-def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
-                 repeats: int = 3, min_seconds: float = 0.0) -> tuple[float, float, float, float]:
-    torch.manual_seed(0)
-    norm = torch.nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps).to(device)
-    out = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False).to(device)
-    emb = torch.nn.Embedding(cfg.vocab_size, cfg.d_model).to(device)
-    params = parameter_storages(norm) | parameter_storages(out) | parameter_storages(emb)
-    idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), device=device)
-    x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
-    ledger = ActivationLedger(params=params)
+class HeadBench:
+    """The embedding, final norm, logits and loss of `cfg` for one micro-batch: what the head stage
+    holds for its backward and its own peak (as `BlockBench`, also traced on fake tensors)."""
 
-    def pack(t):
-        ledger.hold_device(t)
-        return t
+    def __init__(self, cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
+                 meter: Callable[[torch.device], PeakMeter] = PeakMeter):
+        torch.manual_seed(0)
+        self.precision, self.device, self.meter = precision, device, meter
+        self.norm = _on(torch.nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps), device)
+        self.out = _on(torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False), device)
+        self.emb = _on(torch.nn.Embedding(cfg.vocab_size, cfg.d_model), device)
+        self.params = parameter_storages(self.norm) | parameter_storages(self.out) | parameter_storages(self.emb)
+        self.idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), device=device)
+        self.x0 = torch.randn(micro_batch, seq, cfg.d_model, device=device, dtype=DTYPES[precision])
 
-    def step(measure=False):
-        x = x0.detach().requires_grad_(True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else contextlib.nullcontext():
-            with _autocast(precision, device):
-                e = emb(idx[:, :-1])
-                logits = out(norm(x + e.to(x.dtype)))
-            loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+    def step(self, ledger: ActivationLedger | None = None):
+        def pack(t):
+            ledger.hold_device(t)
+            return t
+
+        x = self.x0.detach().requires_grad_(True)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if ledger else contextlib.nullcontext()
+        with hooks:
+            with _autocast(self.precision, self.device):
+                e = self.emb(self.idx[:, :-1])
+                logits = self.out(self.norm(x + e.to(x.dtype)))
+            loss = F.cross_entropy(logits.float().flatten(0, 1), self.idx[:, 1:].flatten())
         return x, logits, loss
 
-    with PeakMeter(device) as meter:
-        x, logits, loss = step(measure=True)
-        held = float(ledger.device_bytes)
-        del logits
-        loss.backward()
-    peak = float(meter.peak + tensor_bytes(x0))  # the last block's output is live throughout
+    def held_and_peak(self) -> tuple[float, float]:
+        ledger = ActivationLedger(params=self.params)
+        with self.meter(self.device) as meter:
+            x, logits, loss = self.step(ledger)
+            held = float(ledger.device_bytes)
+            del logits
+            loss.backward()
+        return held, float(meter.peak + tensor_bytes(self.x0))  # the last block's output is live throughout
+
+
+def profile_head(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str, device: torch.device,
+                 repeats: int = 3, min_seconds: float = 0.0) -> tuple[float, float, float, float]:
+    bench = HeadBench(cfg, micro_batch, seq, precision, device)
+    held, peak = bench.held_and_peak()
 
     def fwd():
-        return step()[2]
+        return bench.step()[2]
 
     fwd_s = _timed(fwd, device, repeats, min_seconds / 2)
     total = _timed(lambda: fwd().backward(), device, repeats, min_seconds / 2)

@@ -176,7 +176,9 @@ class Labeller:
 
 
 def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The storage's identity (its StorageImpl, not its address): the same for every view of it,
+    and defined for fake tensors too, which `memory.analytic` traces a block with."""
+    return t.untyped_storage()._cdata
 
 
 def view_key(t: torch.Tensor) -> tuple:

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import torch
 
-from hetforge.memory.device_plan import DevicePlan
 from hetforge.memory.executor import PlanRunner
 from hetforge.memory.measure import PeakMeter
 
 
 class PlanCheck:
-    def __init__(self, dp: DevicePlan, runner: PlanRunner, device: torch.device, tolerance: float,
-                 check_step: int = 3):
-        self.dp, self.runner, self.device, self.tol = dp, runner, device, tolerance
+    """`held_bytes`, `micro_step_s`, `activation_peak`: the plan's predictions for one micro-batch of
+    `micro_batch` samples (`memory.plan.Prediction`)."""
+
+    def __init__(self, held_bytes: float, micro_step_s: float, activation_peak: float, micro_batch: int,
+                 runner: PlanRunner, device: torch.device, tolerance: float, check_step: int = 3):
+        self.held, self.micro_step_s, self.activation_peak = held_bytes, micro_step_s, activation_peak
+        self.micro_batch, self.runner, self.device, self.tol = micro_batch, runner, device, tolerance
         self.timed_step = check_step
         self.metered_step = check_step if device.type == "cuda" else check_step + 1
         self.done = False
@@ -48,21 +51,21 @@ class PlanCheck:
 
     def after(self, compute_s: float, samples: int) -> tuple[dict | None, list[str]]:
         """The record and its warnings once every figure is in; (None, []) before."""
-        pred = self.dp.prediction
         if self._now == self.timed_step:
             self.runner.measure = False
             self._rec.update({
-                "predicted_held_bytes": pred.held_bytes, "measured_held_bytes": self.runner.ledger.peak_device,
-                "predicted_step_s": pred.time_s * samples / max(self.dp.micro_batch, 1), "measured_step_s": compute_s,
+                "predicted_held_bytes": self.held, "measured_held_bytes": self.runner.ledger.peak_device,
+                "predicted_step_s": self.micro_step_s * samples / max(self.micro_batch, 1),
+                "measured_step_s": compute_s,
             })
         if self._now == self.metered_step:
             self._meter.__exit__(None, None, None)
-            self._rec.update({"predicted_activation_peak_bytes": pred.activation_peak,
+            self._rec.update({"predicted_activation_peak_bytes": self.activation_peak,
                               "measured_activation_peak_bytes": self._meter.peak})
         if self._now != max(self.timed_step, self.metered_step):
             return None, []
         self.done = True
-        rec = {"event": "memory_plan_check", "micro_batch": self.dp.micro_batch, **self._rec}
+        rec = {"event": "memory_plan_check", "micro_batch": self.micro_batch, **self._rec}
         warnings = []
         for what, key in (("held activation memory", "held_bytes"), ("activation peak", "activation_peak_bytes"),
                           ("step time", "step_s")):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_model
 from torch import nn
 
@@ -43,10 +44,17 @@ def _load_sharded(path: Path, model: nn.Module) -> None:
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"model": sd}, checkpoint_id=str(path / DCP_DIR),
                      no_dist=not (dist.is_available() and dist.is_initialized()))
-    except (RuntimeError, ValueError, KeyError) as err:
-        detail = " ".join(str(err).split())[:200]
-        raise CheckpointError(f"{path}: the sharded weights do not fit this model ({detail})") from None
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as err:
+        raise CheckpointError(f"{path}: the weights do not fit this model ({dcp_error(err)[:200]})") from None
     model.load_state_dict(sd)
+
+
+def dcp_error(err: BaseException) -> str:
+    """The first underlying error of a DCP failure (which wraps every rank's traceback), in one line."""
+    if isinstance(err, CheckpointException) and err.failures:
+        cause = next(iter(err.failures.values()))
+        err = cause[0] if isinstance(cause, tuple) else cause
+    return " ".join(str(err).split())
 
 
 def model_shape(state: dict[str, Any], path: Path) -> GPTNeoXConfig:
