@@ -1,17 +1,12 @@
 """The cluster table (docs/sharded_clusters.md): FORGE-s, FORGE-m and FORGE-l on the clusters a lab
-would ask about, predicted analytically (no GPU, no profile: seconds to run).
+would ask about, as `hetforge plan --cluster` plans them (no GPU, no profile: seconds to run).
 
-Per cluster and preset at seq 2048, micro-batch 1: the strategy `parallel.strategy: auto` would
-take (`memory.sharding.choose_strategy`: the least sharding under which every card holds its
-shards and gathered units, `model.accounting.sharded_static_bytes`, beside the activation floor
-of a full-recompute plan), each card's bytes under it, and the predicted tokens/s: the global
-batch's model FLOPs (`model.accounting.flops_per_token`, plus a forward's third for the
-recomputation) at 45% of each card's datasheet peak in the run's precision (`memory.analytic`'s
-EFFICIENCY), balanced over the cards, or the collectives (`collective_bytes_per_step`) at the
-link, whichever is longer. The activation floor per sample is every block's input kept (2 bytes
-x seq x d per layer) plus one block's whole (34 x seq x d bytes with a fused attention kernel,
-Korthikanti et al. 2022, table 2) plus the logits (4 bytes x seq x vocab, twice). `hetforge plan
---cluster` makes the full per-tensor plan for one row from measured block profiles.
+Per cluster and preset at seq 2048, a global batch of 512 sequences and micro-batches of at most 2:
+the run's plan (`cluster.run_plan` on declared facts: each card's bytes from the model's shapes,
+its times from its datasheet, `memory.analytic`) with every block recomputed where memory needs it
+(`memory.strategy: full`: the least activation memory a plan holds, decided without a search), the
+links at 10 GB/s. The table shows the strategy `parallel.strategy: auto` takes, the busiest card's
+predicted peak against its usable memory, and the predicted tokens/s; or why nothing fits.
 
     .venv/bin/python bench/cluster_table.py   # writes docs/sharded_clusters.md
 
@@ -20,121 +15,76 @@ Last line: one JSON object with the figures.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
-from hetforge.core.hardware import lookup  # noqa: E402
-from hetforge.memory.analytic import EFFICIENCY, card_precision, usable_bytes  # noqa: E402
-from hetforge.memory.sharding import NoStrategyFits, RankNeed, choose_strategy  # noqa: E402
-from hetforge.model.accounting import (  # noqa: E402
-    collective_bytes_per_step,
-    count_parameters,
-    flops_per_token,
-    parameter_sizes,
-    sharded_static_bytes,
-    state_shares,
-)
+from hetforge.cluster.facts import declared_facts  # noqa: E402
+from hetforge.cluster.run_plan import resolve_plan  # noqa: E402
+from hetforge.config import NodeSpec, build_config  # noqa: E402
+from hetforge.core.errors import HetforgeError  # noqa: E402
+from hetforge.model.accounting import count_parameters  # noqa: E402
 from hetforge.model.presets import PRESETS  # noqa: E402
 
-SEQ = 2048
-GLOBAL_BATCH = 512  # sequences per step (1M tokens at 2048, FORGE's order of magnitude)
-LINK_GBPS = {"intra": 10.0}  # GB/s per rank on the ring: PCIe 3 peer-to-peer; NVLink cards are faster
+SEQ, GLOBAL_BATCH, MICRO, LINK_GBPS = 2048, 512, 2, 10.0
 CLUSTERS = {
-    "8x V100-16GB": ["V100"] * 8,
-    "4x V100-16GB + 4x P100-16GB": ["V100"] * 4 + ["P100"] * 4,
-    "16x T4": ["T4"] * 16,
-    "4x A100-40GB": ["A100-40GB"] * 4,
-    "2x V100-32GB + 2x V100-16GB": ["V100-32GB"] * 2 + ["V100"] * 2,
+    "8x V100-16GB": [("V100", 8)],
+    "4x V100-16GB + 4x P100-16GB": [("V100", 4), ("P100", 4)],
+    "16x T4": [("T4", 16)],
+    "4x A100-40GB": [("A100-40GB", 4)],
+    "2x V100-32GB + 2x V100-16GB": [("V100-32GB", 2), ("V100", 2)],
 }
-
-
-def activation_floor(shape) -> float:
-    s, d = SEQ, shape.d_model
-    return 2 * s * d * shape.n_layers + 34 * s * d + 2 * 4 * s * shape.vocab_size
 
 
 def row(cluster: str, preset: str) -> dict:
     shape = PRESETS[preset]
-    cards = [lookup(c) for c in CLUSTERS[cluster]]
-    precision = min((card_precision(c) for c in cards), key=["fp32", "fp16", "bf16"].index)
-    gather = 4 if precision == "fp32" else 2
-    needs = [RankNeed(r, c.name, usable_bytes(c), activation_floor(shape)) for r, c in enumerate(cards)]
-    out = {"cluster": cluster, "preset": preset, "params_b": count_parameters(shape)["total"] / 1e9,
-           "precision": precision}
-    budgets = [n.budget for n in needs]
-    # ZeRO-1 splits the optimizer state in proportion to memory where the cards differ (FSDP2 evenly)
-    shares = state_shares(parameter_sizes(shape), budgets) if len(set(budgets)) > 1 else None
+    cfg = build_config({"model": {"preset": preset}, "memory": {"budget": "auto", "strategy": "full"},
+                        "train": {"seq_len": SEQ, "micro_batch_size": MICRO, "global_batch_tokens": GLOBAL_BATCH * SEQ,
+                                  "precision": "auto", "optimizer": "adamw"},
+                        "parallel": {"link_gbps": LINK_GBPS}})
+    nodes = [NodeSpec.model_validate({"host": "node", "devices": [{"type": t, "count": n} for t, n in CLUSTERS[cluster]]})]
+    out = {"cluster": cluster, "preset": preset, "params_b": count_parameters(shape)["total"] / 1e9}
     try:
-        strategy, why = choose_strategy(shape, "adamw", needs, len(cards), gather, state_shares=shares)
-    except NoStrategyFits:
-        fsdp = sum(sharded_static_bytes(shape, "adamw", "fsdp", len(cards), gather_bytes=gather).values())
-        out.update(strategy=None, fits=False, per_rank_gib=fsdp / 2**30,
-                   usable_gib=min(n.budget for n in needs) / 2**30, tokens_per_s=0.0)
-        return out
-    # the bytes on the smallest card (the first of them)
-    small = min(range(len(cards)), key=lambda r: budgets[r])
-    share = shares[small] if shares and strategy == "zero1" else None
-    static = sum(sharded_static_bytes(shape, "adamw", strategy, len(cards) if strategy != "ddp" else 1,
-                                      gather_bytes=gather, state_share=share).values())
-    out["state_shares"] = shares if strategy == "zero1" else None
-    if shares:  # what equal parts would have taken
-        try:
-            out["strategy_equal_shares"] = choose_strategy(shape, "adamw", needs, len(cards), gather)[0]
-        except NoStrategyFits:
-            out["strategy_equal_shares"] = None
-    flops = flops_per_token(shape, SEQ) * (1 + 1 / 3)  # full recomputation repeats the forward
-    rate = sum(c.peak_tflops(precision) * 1e12 * EFFICIENCY for c in cards) / flops  # tokens/s, balanced
-    compute_s = GLOBAL_BATCH * SEQ / rate
-    micro = GLOBAL_BATCH // len(cards)
-    comm_s = collective_bytes_per_step(shape, strategy, len(cards), micro, gather) / (LINK_GBPS["intra"] * 1e9)
-    step = max(compute_s, comm_s)
-    out.update(strategy=strategy, fits=True, per_rank_gib=(static + activation_floor(shape)) / 2**30,
-               usable_gib=min(n.budget for n in needs) / 2**30, compute_s=compute_s, comm_s=comm_s,
-               tokens_per_s=GLOBAL_BATCH * SEQ / step, bound="compute" if compute_s >= comm_s else "collectives")
-    return out
+        plan = resolve_plan(cfg, shape, declared_facts(cfg, shape, nodes, cluster))
+    except HetforgeError as err:
+        return {**out, "fits": False, "why": " ".join(str(err).split())}
+    busiest = max(plan.ranks, key=lambda r: (r.predicted_peak_bytes or 0) / r.memory_bytes)
+    return {**out, "fits": True, "precision": plan.precision, "strategy": plan.strategy,
+            "optimizer_offload": any(r.optimizer_offload for r in plan.ranks),
+            "peak_gib": busiest.predicted_peak_bytes / 2**30, "usable_gib": busiest.memory_bytes / 2**30,
+            "step_s": plan.predicted_step_s, "tokens_per_s": GLOBAL_BATCH * SEQ / plan.predicted_step_s,
+            "bound": max(plan.step_parts, key=plan.step_parts.get)}
 
 
 def main() -> None:
     rows = [row(c, p) for c in CLUSTERS for p in ("forge-s", "forge-m", "forge-l")]
     lines = [
-        "# FORGE presets on lab clusters (seq 2048, analytic)",
-        "",
-        "Written by `bench/cluster_table.py` (see its docstring for the model): what `parallel.strategy: auto` "
-        "takes on each cluster, the bytes per card under it (shards, gathered units and a full-recompute "
-        f"activation floor at micro-batch 1) against the smallest card's usable memory, and the predicted "
-        f"tokens/s at a global batch of {GLOBAL_BATCH} x {SEQ} tokens: the FLOPs (with recomputation) at "
-        f"{EFFICIENCY:.0%} of the datasheet peak, or the collectives at {LINK_GBPS['intra']:g} GB/s per rank, "
-        "whichever is longer. Per card: the smallest card's bytes. Where the cards' memory differs, ZeRO-1 "
-        "gives each card a share of the optimizer state in proportion to its memory (`parallel.state_shares: "
-        "memory`); FSDP2's shards are even (1/W).",
-        "",
-        "| cluster | preset | params | precision | strategy | per card / usable (GiB) | bound | tokens/s |",
+        "# FORGE presets on lab clusters (seq 2048, planned from shapes and datasheets)", "",
+        "Written by `bench/cluster_table.py` (see its docstring): the plan `hetforge plan --cluster` makes for "
+        f"each cluster and preset at a global batch of {GLOBAL_BATCH} x {SEQ} tokens, micro-batches of at most "
+        f"{MICRO}, every block recomputed where memory needs it, links at {LINK_GBPS:g} GB/s: the strategy "
+        "`parallel.strategy: auto` takes, the busiest card's predicted peak against its usable memory, and the "
+        "predicted tokens/s.", "",
+        "| cluster | preset | params | precision | strategy | peak / usable (GiB) | bound | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | {r['precision']} | does not fit "
-                         f"(FSDP needs {r['per_rank_gib']:.1f} before activations) | - / {r['usable_gib']:.1f} | - | - |")
+            lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | - | does not fit: "
+                         f"{r['why'].replace('|', '/')} | - | - | - |")
             continue
-        lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | {r['precision']} | {r['strategy']} | "
-                     f"{r['per_rank_gib']:.1f} / {r['usable_gib']:.1f} | {r['bound']} | {r['tokens_per_s']:,.0f} |")
-    for r in rows:
-        if r.get("state_shares") and r.get("strategy_equal_shares") != r["strategy"]:
-            lines += ["", f"On {r['cluster']}, {r['preset']} takes zero1 because each card holds optimizer state in "
-                      f"proportion to its memory ({', '.join(f'{x:.0%}' for x in r['state_shares'])}); with equal "
-                      f"parts the smallest cards could not hold theirs beside the weights and gradients, and "
-                      f"auto would take {r['strategy_equal_shares'] or 'nothing'}."]
-    lines += ["", "FORGE-m and FORGE-l need more cards than these clusters have, or `parallel.offload: params` "
-              "(FSDP2's CPU offload: weights, gradients and optimizer shards in host memory, the step on the host), "
-              "which this table does not price.", ""]
+        strategy = r["strategy"] + (" + optimizer on the host" if r["optimizer_offload"] else "")
+        lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | {r['precision']} | {strategy} | "
+                     f"{r['peak_gib']:.1f} / {r['usable_gib']:.1f} | {r['bound']} | {r['tokens_per_s']:,.0f} |")
+    lines += ["", "Where nothing fits, the sizes need more cards, or parameter offload (`parallel.offload: params`, "
+              "FSDP2's CPU offload), which `auto` does not try.", ""]
     out = ROOT / "docs" / "sharded_clusters.md"
     out.write_text("\n".join(lines))
     print("\n".join(lines))
-    print(json.dumps({"bench": "cluster_table", "rows": rows}))
+    record({"bench": "cluster_table", "rows": rows})
 
 
 if __name__ == "__main__":

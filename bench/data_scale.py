@@ -39,6 +39,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.data.dedup import shingles  # noqa: E402
 from hetforge.data.shards import read_doc_ids  # noqa: E402
@@ -296,7 +297,7 @@ def main() -> None:
     def r4(v):
         return round(v, 4) if isinstance(v, float) else v
 
-    print(json.dumps({"bench": "data_scale", **{k: r4(v) for k, v in figures.items()}}))
+    record({"bench": "data_scale", **{k: r4(v) for k, v in figures.items()}}, save=not args.quick)
 
 
 if __name__ == "__main__":

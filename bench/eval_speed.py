@@ -26,6 +26,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.config import build_config  # noqa: E402
 from hetforge.data.prepare import prepare  # noqa: E402
@@ -70,9 +71,9 @@ def main() -> None:
     print(f"hetforge scorer {h:,.0f} choices/s | lm_eval adapter {l_:,.0f} choices/s | ratio {h / l_:.2f} "
           f"({n_choices} choices, small preset, batch {batch})")
     print(f"same scores: {scores['hetforge'] == scores['lm_eval']} {scores}")
-    print(json.dumps({"bench": "eval_speed", "ratio": round(h / l_, 4), "hetforge_choices_per_s": round(h, 1),
+    record({"bench": "eval_speed", "ratio": round(h / l_, 4), "hetforge_choices_per_s": round(h, 1),
                       "lm_eval_choices_per_s": round(l_, 1), "choices": n_choices,
-                      "same_scores": scores["hetforge"] == scores["lm_eval"]}))
+                      "same_scores": scores["hetforge"] == scores["lm_eval"]})
 
 
 if __name__ == "__main__":

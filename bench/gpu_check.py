@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.core.hardware import detect  # noqa: E402
 from hetforge.config import build_config  # noqa: E402
@@ -49,7 +50,7 @@ from hetforge.core.metrics import read_metrics  # noqa: E402
 
 GPU = {
     "throughput": [("125m", 8, 20), ("forge-s", 4, 20)],  # preset, micro-batch, steps
-    "seq": 2048, "vocab": 50304, "plan_model": ("125m", 8), "plan_steps": 5,
+    "seq": 2048, "vocab": 50304, "tokens": 8192, "plan_model": ("125m", 8), "plan_steps": 5,
     "precision_steps": 200, "precision_model": ("125m", 8),
     "padding_shape": (2064, 24, 4, 2048), "padding_repeats": 5,  # FORGE-s: head size 86
 }
@@ -57,21 +58,24 @@ ANALYTIC: dict = {}
 
 DRY = {  # the CPU has no fast fp16: its steps are few
     "throughput": [("tiny", 4, 6), ("small", 2, 3)],
-    "seq": 64, "vocab": None, "plan_model": ("tiny", 2), "plan_steps": 5,
+    "seq": 64, "vocab": None, "tokens": 512, "plan_model": ("tiny", 2), "plan_steps": 5,
     "precision_steps": 8, "precision_model": ("tiny", 2),
     "padding_shape": (60, 4, 2, 64), "padding_repeats": 2,  # head size 15
 }
 
 
-def raw_config(out: Path, name: str, preset: str, micro: int, steps: int, seq: int, vocab: int | None,
-               precision: str, device: str) -> dict:
+def raw_config(out: Path, name: str, preset: str, micro: int, steps: int, spec: dict, precision: str,
+               device: str) -> dict:
+    """A run of `preset` as the spec has it: its sequence, vocabulary and tokenizer (the dry run's
+    tokenizer is small: it trains in seconds)."""
+    seq, vocab, tokens = spec["seq"], spec["vocab"], spec["tokens"]
     model = {"preset": preset}
     if vocab:
         model["vocab_size"] = vocab
     return {
         "name": name, "run_dir": str(out / "runs" / name),
-        "data": {"sources": [{"type": "aclsum"}], "out_dir": str(ROOT / "data_cache" / "aclsum-8k"),
-                 "tokenizer": {"vocab_size": 8192}},
+        "data": {"sources": [{"type": "aclsum"}], "out_dir": str(out / "data" / f"aclsum-{tokens}"),
+                 "tokenizer": {"vocab_size": tokens}},
         "model": model,
         "train": {"steps": steps, "seq_len": seq, "micro_batch_size": micro, "warmup_steps": 1,
                   "log_interval": 1, "eval_interval": 10**6, "final_eval_batches": 1, "precision": precision,
@@ -84,7 +88,7 @@ def throughput(out: Path, spec: dict, device: str, peaks: dict) -> list[dict]:
     for preset, micro, steps in spec["throughput"]:
         for precision, compiled in (("bf16", False), ("fp16", False), ("bf16", True)):
             name = f"{preset}-{precision}{'-compiled' if compiled else ''}"
-            raw = raw_config(out, name, preset, micro, steps, spec["seq"], spec["vocab"], precision, device)
+            raw = raw_config(out, name, preset, micro, steps, spec, precision, device)
             raw["train"]["compile"] = "on" if compiled else "off"
             # a low precision without a fast path (fp16 on a CPU) is held to fp32's peak, not its own
             peak = max(peaks[precision], peaks["fp32"])
@@ -105,7 +109,7 @@ def throughput(out: Path, spec: dict, device: str, peaks: dict) -> list[dict]:
 
 def plans(out: Path, spec: dict, device: str, precision: str) -> list[dict]:
     preset, micro = spec["plan_model"]
-    raw = raw_config(out, "plan-keep", preset, micro, spec["plan_steps"], spec["seq"], spec["vocab"], precision,
+    raw = raw_config(out, "plan-keep", preset, micro, spec["plan_steps"], spec, precision,
                      device)
     raw["train"]["peak_tflops"] = 1.0  # MFU is not what this step measures
     cfg = build_config(raw)
@@ -125,7 +129,7 @@ def plans(out: Path, spec: dict, device: str, precision: str) -> list[dict]:
     rows = []
     for frac in (1.0, 0.6, 0.35):  # or the feasible minimum where that is higher (the logits can set it)
         budget = max(prof.base_bytes + frac * (keep.peak_bytes - prof.base_bytes), lowest)
-        raw = raw_config(out, f"plan-{frac}", preset, micro, spec["plan_steps"], spec["seq"], spec["vocab"],
+        raw = raw_config(out, f"plan-{frac}", preset, micro, spec["plan_steps"], spec,
                          precision, device)
         raw["memory"] = {"budget": str(int(budget))}
         raw["train"]["peak_tflops"] = 1.0
@@ -170,7 +174,7 @@ def precisions(out: Path, spec: dict, device: str, peaks: dict) -> dict:
     preset, micro = spec["precision_model"]
     final = {}
     for precision in ("bf16", "fp16"):
-        raw = raw_config(out, f"loss-{precision}", preset, micro, spec["precision_steps"], spec["seq"], spec["vocab"],
+        raw = raw_config(out, f"loss-{precision}", preset, micro, spec["precision_steps"], spec,
                          precision, device)
         raw["train"]["log_interval"] = max(1, spec["precision_steps"] // 20)
         raw["train"]["peak_tflops"] = max(peaks[precision], peaks["fp32"]) / 1e12
@@ -356,7 +360,7 @@ def main() -> None:
     forge = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["precision"] == "bf16"
              and not r["compiled"]]
     forge_c = [r for r in results["throughput"] if r["preset"] == "forge-s" and r["compiled"]]
-    print(json.dumps({"bench": "gpu_check", "dry_run": args.dry_run, "seconds": round(results["seconds"], 1),
+    record({"bench": "gpu_check", "dry_run": args.dry_run, "seconds": round(results["seconds"], 1),
                       "forge_s_bf16_mfu": round(forge[0]["mfu"], 4) if forge else None,
                       "forge_s_bf16_compiled_mfu": round(forge_c[0]["mfu"], 4) if forge_c else None,
                       "forge_s_compiled_vs_eager": round(forge_c[0]["tokens_per_s"] / forge[0]["tokens_per_s"], 3)
@@ -368,7 +372,8 @@ def main() -> None:
                       "fsdp_state_vs_plan": round(results["fsdp_memory"]["state_ratio"], 3),
                       "fsdp_peak_vs_plan": round(results["fsdp_memory"]["peak_ratio"], 3)
                       if results["fsdp_memory"]["peak_ratio"] else None,
-                      "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4)}))
+                      "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4)},
+           save=not args.dry_run)
 
 
 if __name__ == "__main__":

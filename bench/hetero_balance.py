@@ -31,6 +31,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.config import build_config  # noqa: E402
 from hetforge.data.prepare import prepare  # noqa: E402
@@ -114,8 +115,8 @@ def main() -> None:
     figures["scaling_efficiency_2_ranks"] = two_tps / (2 * one["tokens_per_s"])
     print(f"1 rank {one['tokens_per_s']:,.0f} tok/s, 2 ranks {two_tps:,.0f} tok/s: scaling efficiency "
           f"{figures['scaling_efficiency_2_ranks']:.1%}", flush=True)
-    print(json.dumps({"bench": "hetero_balance", "ratio": round(figures["k2_ratio"], 4),
-                      **{key: round(v, 4) for key, v in figures.items()}}))
+    record({"bench": "hetero_balance", "ratio": round(figures["k2_ratio"], 4),
+            **{key: round(v, 4) for key, v in figures.items()}}, save=not args.quick)
 
 
 if __name__ == "__main__":

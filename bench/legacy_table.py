@@ -1,18 +1,14 @@
 """The legacy-GPU table (docs/legacy_gpus.md): what each preset needs on each common card at seq 2048.
 
-For every card of `hetforge.cluster.devices` and every preset from 125M to forge-l, from the
-analytic model (`hetforge.memory.analytic`; no GPU needed): the run's precision on that card, the
-attention kernel PyTorch would use, whether micro-batch 1 fits and how (keep everything, an
-activation plan, the optimizer's state on the host), the largest micro-batch up to 16 that fits,
-the plan there and its predicted samples per second. Profiles of the blocks are measured once on this
-machine and cached, so a second run takes seconds.
+For every card of the device table and every preset from 125M to forge-l, from the analytic model
+(`hetforge.memory.analytic`: bytes from the model's shapes, times from the card's datasheet; no GPU
+and no profile needed): the run's precision on that card, the attention kernel PyTorch would use,
+whether micro-batch 1 fits and how (keep everything, an activation plan, the optimizer's state on
+the host), the largest micro-batch up to 16 that fits, the plan there and its predicted samples per
+second.
 
-    .venv/bin/python bench/legacy_table.py --presets 125m,350m,forge-s   # docs/legacy_gpus.md, 12 min cold
+    .venv/bin/python bench/legacy_table.py                       # docs/legacy_gpus.md
     .venv/bin/python bench/legacy_table.py --presets 125m,350m --cards V100,T4
-
-Cold, the proxies of a preset take about as long as its block is wide squared: 125M and 350M about a
-minute each on 2 CPU cores, FORGE-s 6 min; FORGE-m's first (shortest) proxy took 14 min, so FORGE-m
-and FORGE-l (5120 and 6144 wide) need an estimated 1 h and 1.5 h; the committed table has the first three.
 
 Last line: one JSON object with the figures.
 """
@@ -20,17 +16,18 @@ Last line: one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.core.hardware import DEVICES, lookup  # noqa: E402
 from hetforge.config import MemoryConfig  # noqa: E402
-from hetforge.memory.analytic import EFFICIENCY, analytic_profile, block_summary, usable_bytes  # noqa: E402
-from hetforge.memory.device_plan import PROFILE_CACHE, plan_profile  # noqa: E402
+from hetforge.memory.analytic import (BANDWIDTH_EFFICIENCY, EFFICIENCY, analytic_profile, block_summary,  # noqa: E402
+                                      usable_bytes)
+from hetforge.memory.device_plan import plan_profile  # noqa: E402
 from hetforge.memory.milp import PlanError  # noqa: E402
 from hetforge.model.accounting import static_bytes  # noqa: E402
 from hetforge.model.gpt_neox import GPTNeoXConfig  # noqa: E402
@@ -51,7 +48,7 @@ def entry(cfg: GPTNeoXConfig, card, mem: MemoryConfig) -> dict:
            "static_gib": sum(static_bytes(cfg).values()) / 2**30}
     fits = {}
     for mb in MICRO:
-        prof = analytic_profile(cfg, mb, SEQ, card, cache_dir=PROFILE_CACHE)
+        prof = analytic_profile(cfg, mb, SEQ, card)
         out["precision"], out["attention"] = prof.meta["precision"], prof.meta["attention"]
         try:
             dp = plan_profile(prof, cfg, mem, mb, budget, compiled=True)  # a GPU run compiles its blocks
@@ -70,17 +67,19 @@ def entry(cfg: GPTNeoXConfig, card, mem: MemoryConfig) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="125m,350m,forge-s,forge-m,forge-l")
+    ap.add_argument("--seconds", type=float, default=20.0, help="HiGHS time limit per plan")
     ap.add_argument("--cards", default=",".join(d.name for d in DEVICES))
     ap.add_argument("--out", default=str(ROOT / "docs" / "legacy_gpus.md"))
     args = ap.parse_args()
-    mem = MemoryConfig(granularity="tensor")
+    mem = MemoryConfig(granularity="tensor", time_limit_s=args.seconds)
     rows = []
     lines = [
         "# What each preset needs on the GPUs labs own (seq 2048)",
         "",
         "Written by `bench/legacy_table.py` from hetforge's analytic model (`hetforge/memory/analytic.py`): each",
-        "preset's real block measured on a CPU at two short sequences and scaled to micro-batch x 2048 tokens,",
-        f"times from FLOPs at {EFFICIENCY:.0%} of the card's datasheet peak, the usable memory 95% of the card's",
+        "preset's real block and head traced at micro-batch x 2048 tokens on fake tensors (bytes from shapes),",
+        f"times on a roofline of the card's datasheet (matmuls at {EFFICIENCY:.0%} of its peak, other ops at",
+        f"{BANDWIDTH_EFFICIENCY:.0%} of its memory bandwidth), the usable memory 95% of the card's",
         "less 0.75 GiB (CUDA context, workspaces), AdamW (8 bytes a parameter of state). The plan is hetforge's",
         "MILP at per-tensor granularity; the optimizer's state goes to the host only where nothing fits",
         "otherwise. `hetforge plan CONFIG --card NAME --micro-batch N` prints the full plan for one cell, and",
@@ -121,8 +120,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    print(json.dumps({"bench": "legacy_table", "rows": len(rows), "out": str(out),
-                      "fits_at_1": sum(1 for r in rows if 1 in r["fits"])}))
+    record({"bench": "legacy_table", "rows": len(rows), "out": str(out),
+            "fits_at_1": sum(1 for r in rows if 1 in r["fits"])})
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from scipy.stats import bootstrap, kendalltau
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.memory.executor import apply_plan  # noqa: E402
 from hetforge.memory.measure import PeakMeter  # noqa: E402
@@ -451,7 +452,7 @@ def main() -> None:
         "models": results,
         "solve": solve,
     }
-    print(json.dumps(out))
+    record(out, save=not args.quick)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.cluster.probe import WORKSPACE_MARGIN  # noqa: E402
 from hetforge.config import build_config  # noqa: E402
@@ -289,7 +290,7 @@ def main() -> None:
     def r4(v):
         return round(v, 4) if isinstance(v, float) else v
 
-    print(json.dumps({"bench": "sharded_scale", **{k: r4(v) for k, v in figures.items()}}))
+    record({"bench": "sharded_scale", **{k: r4(v) for k, v in figures.items()}}, save=not args.quick)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Last line: one JSON object with the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from record import record  # noqa: E402  (bench/record.py)
 
 from hetforge.config import build_config  # noqa: E402
 from hetforge.data.prepare import prepare  # noqa: E402
@@ -143,7 +143,7 @@ def main() -> None:
     out = {"bench": "train_throughput", "model": "small (6 layers, d=256, seq 256, batch 8)",
            "flops_per_token": fpt, "ratio": results["fp32_ratio"],
            **{k: round(v, 4) for k, v in results.items()}}
-    print(json.dumps(out))
+    record(out, save=not args.quick)
 
 
 if __name__ == "__main__":

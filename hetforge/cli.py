@@ -30,14 +30,41 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _number(kind: type, low: float, inclusive: bool):
+    """An argparse type: a number of `kind` at least (or above) `low`, else argparse's one-line error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {'at least' if inclusive else 'above'} {low:g}")
+        return value
+
+    parse.__name__ = kind.__name__  # what argparse names in its messages
+    return parse
+
+
+COUNT = _number(int, 1, True)  # how many of something: 1 or more
+NONNEG = _number(int, 0, True)
+POSITIVE = _number(float, 0.0, False)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="hetforge", description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    _run_commands(sub)
+    _science_commands(sub)
+    _model_commands(sub)
+    return ap
 
+
+def _run_commands(sub) -> None:
+    """prepare, train, balance, plan: getting data and a run going."""
     p = sub.add_parser("prepare", help="clean corpus, train tokenizer, write token shards")
     _add_config(p)
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="encoding processes (default data.workers)")
+    p.add_argument("--workers", type=COUNT, default=None, metavar="N", help="encoding processes (default data.workers)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--task", default=None, metavar="I/N",
                    help="encode only chunks I, I+N, ... (one of N jobs, e.g. a Slurm array task); then --merge")
@@ -48,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="require a checkpoint to resume from")
     g.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints")
-    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+    p.add_argument("--stop-after", type=COUNT, default=None, metavar="N",
                    help="checkpoint and exit after N steps of this invocation (time-limited jobs)")
 
     p = sub.add_parser("balance", help="measure the ranks and split the global batch (run under torchrun)")
@@ -60,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="profile on this torch device: cpu, cuda, cuda:1, auto")
     p.add_argument("--card", default=None, help="plan for a card that is not here (V100, T4, A100-80GB, ...): its "
                                                "figures estimated from shapes and its datasheet (memory.analytic)")
-    p.add_argument("--micro-batch", type=int, default=None, help="default: train.micro_batch_size")
+    p.add_argument("--micro-batch", type=COUNT, default=None, help="default: train.micro_batch_size")
     p.add_argument("--strategy", default=None, choices=["milp", "none", "full", "sqrt", "recompute-only"])
     p.add_argument("--granularity", default=None, choices=["block", "sublayer", "tensor"],
                    help="decide per block, per branch, or per saved tensor / op output (default: memory.granularity)")
@@ -69,6 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for plan.json, plan.txt and the PNG (default RUN_DIR/plan)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON only")
 
+
+def _science_commands(sub) -> None:
+    """scale, report, size: how big, what it cost."""
     p = sub.add_parser("scale", help="scaling laws: run a sweep of small trainings, fit L(N, D) to it")
     ssub = p.add_subparsers(dest="scale_command", required=True)
     q = ssub.add_parser("sweep", help="train a grid of model sizes x token budgets (one after another)")
@@ -82,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("runs_dir")
     q.add_argument("--holdout", action="append", default=[], metavar="RUN",
                    help="leave this run out of the fit and predict it (repeatable)")
-    q.add_argument("--bootstrap", type=int, default=200, help="resamples for the confidence intervals (default 200)")
+    q.add_argument("--bootstrap", type=NONNEG, default=200, help="resamples for the confidence intervals (default 200)")
     q.add_argument("--out", default=None, help="constants JSON (default RUNS_DIR/scaling_law.json; PNG beside it)")
 
     p = sub.add_parser("report", help="what a run cost: FLOPs, tokens, MFU/HFU, wall time, energy")
@@ -91,23 +121,29 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("size", help="compute-optimal model and data size for a budget (Chinchilla law)")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--compute", type=float, help="training FLOPs to spend, e.g. 1e20")
-    g.add_argument("--gpu-hours", type=float, help="device-hours to spend on --cluster (or --device)")
-    g.add_argument("--tokens", type=float, help="tokens available: the model size they are optimal for")
+    g.add_argument("--compute", type=POSITIVE, help="training FLOPs to spend, e.g. 1e20")
+    g.add_argument("--gpu-hours", type=POSITIVE, help="device-hours to spend on --cluster (or --device)")
+    g.add_argument("--tokens", type=POSITIVE, help="tokens available: the model size they are optimal for")
     p.add_argument("--cluster", default=None, metavar="FILE", help="cluster YAML (nodes: ...): wall time and energy")
     p.add_argument("--device", default=None, help="one device type instead of a cluster, e.g. A100-80GB")
-    p.add_argument("--mfu", type=float, default=0.40, help="model FLOPs utilisation to assume (default 0.40)")
+    p.add_argument("--mfu", type=POSITIVE, default=0.40, help="model FLOPs utilisation to assume (default 0.40)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--law", default=None, metavar="JSON", help="fitted constants (hetforge scale fit); default Epoch AI")
-    p.add_argument("--vocab", type=int, default=52000, help="vocabulary size (default 52000, FORGE's)")
-    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--vocab", type=_number(int, 2, True), default=52000, help="vocabulary size (default 52000, FORGE's)")
+    p.add_argument("--seq", type=COUNT, default=2048, help="sequence length (default 2048)")
     p.add_argument("--json", action="store_true", help="print the recommendation as JSON only")
 
+
+def _model_commands(sub) -> None:
+    """eval, heads, generate, export, demo: what a checkpoint is worth and where it goes."""
     p = sub.add_parser("eval", help="perplexity and bits-per-byte of a checkpoint on a split")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest valid one)")
     p.add_argument("--split", default="val", choices=["val", "train"])
-    p.add_argument("--max-batches", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="a prepared data directory to evaluate on (default: the checkpoint's own; an imported "
+                        "model has none)")
+    p.add_argument("--max-batches", type=COUNT, default=None)
+    p.add_argument("--batch-size", type=COUNT, default=16)
     p.add_argument("--prompt", default=None, help="also sample a continuation of this prompt")
     p.add_argument("--task", action="append", default=[], metavar="TASK",
                    help="zero-shot multiple choice instead of perplexity: sci-mc (built in) or a JSONL file "
@@ -125,10 +161,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="sample text from a checkpoint")
     p.add_argument("checkpoint")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=COUNT, default=64)
+    p.add_argument("--temperature", type=_number(float, 0.0, True), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=COUNT, default=None)
+    p.add_argument("--seed", type=NONNEG, default=0)
 
     p = sub.add_parser("export", help="Hugging Face format: export a checkpoint, or import a GPTNeoX directory")
     p.add_argument("source", help="a checkpoint / run directory (--to hf), or a Hugging Face directory (--from hf)")
@@ -140,7 +176,6 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="prepare + train + eval the tiny CPU demo on the embedded corpus")
     p.add_argument("--config", default=str(DEMO_CONFIG))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    return ap
 
 
 def cmd_prepare(args) -> int:
@@ -148,8 +183,6 @@ def cmd_prepare(args) -> int:
     from hetforge.data.prepare import prepare
 
     cfg = load_config(args.config, args.overrides)
-    if args.workers is not None and args.workers < 1:
-        raise ConfigError(f"prepare --workers must be at least 1 (got {args.workers})")
     if args.task is not None:
         from hetforge.data.prepare import prepare_task
 
@@ -175,10 +208,10 @@ def _print_train_summary(result, eval_result=None) -> None:
     from hetforge.core.console import console
 
     t = Table(title=f"run {result.run_dir}", show_header=False)
-    last = max(result.losses) if result.losses else None
     t.add_row("steps", str(result.step))
-    if last is not None:
-        t.add_row("final train loss", f"{result.losses[last]:.4f}")
+    if result.extra.get("final_loss"):  # as `hetforge report` has it: the last logging interval's mean
+        first, last, loss = result.extra["final_loss"]
+        t.add_row("final train loss", f"{loss:.4f} (mean over steps {first}-{last})")
     val = eval_result or result.val
     if val is not None:
         t.add_row("val loss / perplexity", f"{val.loss:.4f} / {val.perplexity:.2f}")
@@ -227,7 +260,7 @@ def cmd_plan(args) -> int:
     from hetforge.cluster.run_plan import resolve_plan
     from hetforge.cluster.spec import read_cluster_file
     from hetforge.config import load_config
-    from hetforge.core.console import console
+    from hetforge.core.console import console, working
     from hetforge.core.precision import resolve_device
 
     overrides = list(args.overrides)
@@ -239,7 +272,8 @@ def cmd_plan(args) -> int:
     shape = _planned_shape(cfg)
     out = Path(args.out or Path(cfg.run_dir) / "plan")
     _check_output_dir(out, "plan --out")
-    with console.status("planning (tracing the model; profiling where a device is here) ...", spinner="dots"):
+    with working("planning: cards from their shapes and datasheets; a device that is here profiled once (a CPU "
+                 "takes minutes; cached in $HETFORGE_CACHE or ~/.cache/hetforge) ..."):
         if args.cluster:
             facts = declared_facts(cfg, shape, read_cluster_file(args.cluster), args.cluster)
         elif args.card:
@@ -324,6 +358,7 @@ def _scale_sweep(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     out = Path(args.out or f"{cfg.run_dir}-sweep")
+    _check_output_dir(out, "scale sweep --out")
     runs = plan_sweep(args.sizes.split(","), args.tokens.split(","), cfg.train.global_batch_size * cfg.train.seq_len)
     if args.print_commands:
         for r in runs:
@@ -354,6 +389,8 @@ def _scale_fit(args) -> int:
     from hetforge.scaling.laws import ScalingError
     from hetforge.scaling.sweep import collect
 
+    if args.out and Path(args.out).is_dir():
+        raise ConfigError(f"scale fit --out {args.out} is a directory; give the JSON file to write")
     rows = collect(Path(args.runs_dir))
     names = {r["name"] for r in rows}
     missing = [h for h in args.holdout if h not in names]
@@ -448,6 +485,7 @@ def cmd_size(args) -> int:
         wall = o.flops / rate.flops_per_s
         return wall, wall * rate.power_w
 
+    fit = _fit_on(best.shape, args) if (args.cluster or args.device) else None
     if args.json:
         out = []
         for o in rows:
@@ -456,7 +494,7 @@ def cmd_size(args) -> int:
                         "loss": o.loss, "flops": o.flops, "shape": {k: getattr(o.shape, k) for k in ("n_layers", "d_model", "n_heads", "d_ff")}, "wall_s": wall,
                         "energy_j": energy, "optimal": o is best})
         print(json.dumps({"law": law.to_dict(), "compute": budget, "preset": best.preset,
-                          "cluster": rate.describe() if rate else None, "options": out}))
+                          "cluster": rate.describe() if rate else None, "fits": fit, "options": out}))
         return 0
     s_ = best.shape
     console.print(f"budget {budget:.3g} FLOPs (C = 6ND), law L = {law.E:.4g} + {law.A:.4g}/N^{law.alpha:.4g} + "
@@ -467,6 +505,10 @@ def cmd_size(args) -> int:
                   f"({best.tokens_per_param:.1f} tokens/param), predicted loss {best.loss:.3f}")
     console.print(f"build: n_layers={s_.n_layers} d_model={s_.d_model} n_heads={s_.n_heads} d_ff={s_.d_ff} "
                   f"(vocab {args.vocab}, seq {args.seq}); nearest preset: {best.preset}")
+    if fit is not None:
+        console.print(f"on {args.cluster or args.device}: " + (
+            f"fits, {fit['strategy']} with micro-batches of {fit['micro_batch']} ({fit['how']})" if fit["fits"]
+            else f"does not fit: {fit['why']}"))
     t = Table(title="the same budget at other sizes")
     for col in ("params", "tokens", "tokens/param", "shape (L x d)", "predicted loss", "FLOPs (6N + attn)",
                 "wall time", "energy"):
@@ -482,7 +524,34 @@ def cmd_size(args) -> int:
     return 0
 
 
-def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
+def _fit_on(shape, args) -> dict:
+    """Whether a model of `shape` trains on the cluster (or device) of `hetforge size`, and under
+    which layout: the run's plan (`cluster.run_plan`) at micro-batch 1, activations recomputed per
+    block where the memory needs it (the least a plan can hold, decided without a search)."""
+    from hetforge.cluster.facts import card_facts, declared_facts
+    from hetforge.cluster.run_plan import resolve_plan
+    from hetforge.cluster.spec import read_cluster_file
+    from hetforge.config import build_config
+
+    nodes = read_cluster_file(args.cluster) if args.cluster else None
+    world = sum(d.count for n in nodes for d in n.devices) if nodes else 1
+    cfg = build_config({"model": {"preset": None, "n_layers": shape.n_layers, "d_model": shape.d_model,
+                                  "n_heads": shape.n_heads, "d_ff": shape.d_ff, "vocab_size": args.vocab},
+                        "train": {"seq_len": args.seq, "micro_batch_size": 1, "grad_accum": world,
+                                  "precision": args.precision},
+                        "memory": {"budget": "auto", "strategy": "full"}})
+    full = type(shape)(**{**shape.to_dict(), "vocab_size": args.vocab})
+    try:
+        facts = declared_facts(cfg, full, nodes, args.cluster) if nodes else card_facts(cfg, full, args.device)
+        plan = resolve_plan(cfg, full, facts)
+    except HetforgeError as err:
+        return {"fits": False, "why": " ".join(str(err).split())}
+    how = "every block recomputed" + (", optimizer on the host" if any(r.optimizer_offload for r in plan.ranks) else "")
+    return {"fits": True, "strategy": plan.strategy, "micro_batch": 1, "how": how,
+            "peak_gib": max(r.predicted_peak_bytes or 0 for r in plan.ranks) / 2**30}
+
+
+def _eval(checkpoint: str, split: str, max_batches, batch_size: int, data: str | None = None):
     from hetforge.data.shards import PackedSamples, TokenShard
     from hetforge.data.tokenizer import load_tokenizer, token_byte_lengths
     from hetforge.evaluate.perplexity import evaluate
@@ -491,14 +560,23 @@ def _eval(checkpoint: str, split: str, max_batches, batch_size: int):
 
     device = resolve_device("auto")
     model, state = load_for_inference(checkpoint, device)
-    samples = PackedSamples(TokenShard(state["data_dir"], split), state["seq_len"], split)
-    meta = json.loads((Path(state["data_dir"]) / "meta.json").read_text())
-    if state.get("data_fingerprint") and meta.get("fingerprint") != state["data_fingerprint"]:
+    data_dir = data or state.get("data_dir")
+    if data_dir is None:
+        raise ConfigError(f"{state['path']} carries no data split of its own (an imported model): give --data DIR, "
+                          f"a directory `hetforge prepare` wrote with this model's tokenizer")
+    if not (Path(data_dir) / "meta.json").is_file():
+        raise ConfigError(f"--data {data_dir}: not a prepared data directory (no meta.json; run hetforge prepare)")
+    samples = PackedSamples(TokenShard(data_dir, split), state["seq_len"], split)
+    meta = json.loads((Path(data_dir) / "meta.json").read_text())
+    if data is None and state.get("data_fingerprint") and meta.get("fingerprint") != state["data_fingerprint"]:
         from hetforge.core.console import warn
 
-        warn(f"{state['data_dir']} was prepared again since {state['path']} was trained on it "
+        warn(f"{data_dir} was prepared again since {state['path']} was trained on it "
              f"(data fingerprint {meta.get('fingerprint', '?')[:12]}, the checkpoint's {state['data_fingerprint'][:12]})")
     tok = load_tokenizer(state["tokenizer"])
+    if meta.get("vocab_size", 0) > model.cfg.vocab_size:
+        raise ConfigError(f"--data {data_dir} was tokenized with {meta['vocab_size']} tokens, more than the model's "
+                          f"{model.cfg.vocab_size}: prepare it with the model's tokenizer (data.tokenizer.path)")
     res = evaluate(model, samples, batch_size, device, max_batches, token_byte_lengths(tok))
     return model, state, tok, res
 
@@ -508,7 +586,7 @@ def cmd_eval(args) -> int:
 
     if args.task:
         return _eval_tasks(args)
-    model, state, tok, res = _eval(args.checkpoint, args.split, args.max_batches, args.batch_size)
+    model, state, tok, res = _eval(args.checkpoint, args.split, args.max_batches, args.batch_size, args.data)
     out = {"checkpoint": state["path"], "split": args.split, **res.to_dict()}
     if args.prompt:
         out["prompt"], out["sample"] = args.prompt, _sample(model, state, tok, args.prompt, 48, 0.0, None, 0)
@@ -619,6 +697,7 @@ def cmd_export(args) -> int:
     from hetforge.core.console import console
     from hetforge.export.hf import export_hf, import_hf
 
+    _check_output_dir(Path(args.out), "export OUT")
     if args.to:
         out = export_hf(args.source, args.out)
         console.print(f"exported {args.source} to {out} (GPTNeoXForCausalLM: config.json, model.safetensors, "

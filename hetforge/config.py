@@ -568,11 +568,13 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"config file not found: {path}")
     try:
         text = path.read_text(encoding="utf-8")
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.safe_load(text)
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: not a UTF-8 text file") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {yaml_error(err)}") from None
+    if raw is None:
+        raise ConfigError(f"{path}: the config file is empty; start from one in configs/ (e.g. configs/tiny.yaml)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     blank = blank_values(text)

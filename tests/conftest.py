@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+if "HETFORGE_CACHE" not in os.environ:  # measured profiles: never into the repository or the user's cache
+    import tempfile
+
+    os.environ["HETFORGE_CACHE"] = tempfile.mkdtemp(prefix="hetforge-test-cache-")
 
 from hetforge.config import build_config  # noqa: E402
 from hetforge.data.prepare import prepare  # noqa: E402

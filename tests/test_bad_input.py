@@ -209,7 +209,43 @@ CASES = {
     "scale fit of a directory without runs": Case(lambda c: ["scale", "fit", str(c["tmp"])], str("runs")),
     "scale sweep with a bad size": Case(lambda c: ["scale", "sweep", cfg_with(c), "--sizes", "2xq",
                                                    "--tokens", "1k", "--print-commands"], "2xq"),
+    "scale sweep --out onto a file": Case(lambda c: ["scale", "sweep", cfg_with(c), "--sizes", "2x64", "--tokens",
+                                                     "1k", "--out", write(c, "f.txt", "x")], "is a file"),
+    "scale fit --out onto a directory": Case(lambda c: ["scale", "fit", str(c["run"].parent), "--out", str(c["tmp"])],
+                                             "is a directory"),
+    # ---- numbers and paths given on the command line
+    "empty config file": Case(lambda c: ["train", write(c, "empty.yaml", "")], "empty.yaml"),
+    "generate --max-new-tokens -1": Case(lambda c: ["generate", str(c["ckpt"]), "--prompt", "x",
+                                                    "--max-new-tokens", "-1"], "--max-new-tokens"),
+    "generate --temperature -1": Case(lambda c: ["generate", str(c["ckpt"]), "--prompt", "x", "--temperature", "-1"],
+                                      "--temperature"),
+    "generate --top-k 0": Case(lambda c: ["generate", str(c["ckpt"]), "--prompt", "x", "--top-k", "0"], "--top-k"),
+    "eval --batch-size 0": Case(lambda c: ["eval", str(c["ckpt"]), "--batch-size", "0"], "--batch-size"),
+    "eval --max-batches nan": Case(lambda c: ["eval", str(c["ckpt"]), "--max-batches", "nan"], "--max-batches"),
+    "train --stop-after 0": Case(lambda c: ["train", cfg_with(c), "--stop-after", "0"], "--stop-after"),
+    "prepare --workers 0": Case(lambda c: ["prepare", cfg_with(c), "--workers", "0"], "--workers"),
+    "plan --micro-batch -2": Case(lambda c: ["plan", cfg_with(c), "--micro-batch", "-2"], "--micro-batch"),
+    "size --compute negative": Case(lambda c: ["size", "--compute", "-1e20"], "--compute"),
+    "size --seq 0": Case(lambda c: ["size", "--compute", "1e20", "--seq", "0"], "--seq"),
+    "scale fit --bootstrap -1": Case(lambda c: ["scale", "fit", str(c["tmp"]), "--bootstrap", "-1"], "--bootstrap"),
+    "export onto a file": Case(lambda c: ["export", str(c["ckpt"]), "--to", "hf", write(c, "model.txt", "x")],
+                               "is a file"),
+    "plan --out onto a file": Case(lambda c: ["plan", cfg_with(c), "--out", write(c, "p.txt", "x")], "is a file"),
+    "eval of an imported model without --data": Case(lambda c: ["eval", imported(c)], "--data"),
+    "eval --data that is not prepared": Case(lambda c: ["eval", str(c["ckpt"]), "--data", str(c["tmp"])], "--data"),
 }
+
+
+def imported(ctx) -> str:
+    """A checkpoint as `export --from hf` writes it: weights, shape and tokenizer, no data split."""
+    dst = ctx["tmp"] / "imported"
+    shutil.copytree(ctx["ckpt"], dst)
+    state = json.loads((dst / "state.json").read_text())
+    for key in ("data_dir", "data_fingerprint"):
+        state.pop(key, None)
+    (dst / "state.json").write_text(json.dumps(state))
+    ckpt.write_manifest(dst, int(state["step"]))
+    return str(dst)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -232,4 +268,4 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(name, existing, tmp_pa
 
 
 def test_the_suite_is_as_broad_as_promised():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 60

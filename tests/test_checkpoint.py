@@ -72,6 +72,7 @@ def _writer(root: Path, step: int, sleep_s: float) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_writers_killed_mid_write_leave_nothing_after_the_next_start_and_a_live_one_is_kept(tmp_path):
     """Ten writers are kill -9'd mid-write; one more is still writing. The next start removes the
     ten (whatever their PIDs became since, and one that claims another host), never the live one,

@@ -133,6 +133,7 @@ def _prepare_cmd(cfg: DataConfig, path: Path) -> list[str]:
     return [sys.executable, "-m", "hetforge", "prepare", str(path)]
 
 
+@pytest.mark.slow
 def test_killed_prepare_resumes_and_equals_an_uninterrupted_run(tmp_path):
     root = tmp_path / "c"
     root.mkdir()
@@ -253,6 +254,7 @@ def test_long_documents_are_encoded_in_pieces_with_the_whole_documents_tokens():
     assert ids[: len(head_ids)] == head_ids
 
 
+@pytest.mark.slow
 @pytest.mark.measure
 def test_a_50_mb_single_line_document_prepares_in_bounded_memory(tmp_path):
     root = tmp_path / "c"

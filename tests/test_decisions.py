@@ -58,6 +58,7 @@ def assert_sound(dp, budget: float) -> None:
             assert dp.prediction.time_s <= simulate(dp.profile, other).time_s * (1 + 1e-3), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("card", CARDS)
 def test_plans_fit_their_card_and_a_bigger_micro_batch_never_needs_less(card):
     budget = usable_bytes(lookup(card))
@@ -100,6 +101,7 @@ def cluster_balance(global_batch: int = 64):
     return precision, balanced_plan(infos, global_batch), equal_plan(infos, global_batch)
 
 
+@pytest.mark.slow
 def test_mixed_cluster_balance_follows_the_cards():
     precision, balanced, equal = cluster_balance()
     assert precision == "fp16"  # V100, T4 and P100 have no bf16

@@ -78,6 +78,7 @@ def with_cluster(make_cfg, name, cluster: dict, **train_kw):
     return cfg.model_copy(update={"cluster": type(cfg.cluster).model_validate(cluster)})
 
 
+@pytest.mark.slow
 def test_unequal_shares_give_the_global_batch_gradient(tmp_path, data_dir):
     sys.path.insert(0, str(ROOT / "tests"))
     import dist_worker
@@ -113,6 +114,7 @@ def reference(tmp_path_factory, data_dir):
     return cfg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shares", [[(3, 3), (5, 3)], [(8, 4), (0, 1)]], ids=["3+5", "8+0"])
 def test_distributed_run_equals_single_process(make_cfg, tmp_path, reference, shares):
     cluster = {**two_cpus(), "balance": "fixed",
@@ -135,6 +137,7 @@ def test_distributed_run_equals_single_process(make_cfg, tmp_path, reference, sh
         assert (rec["rank_mfu"][1] == 0.0) == (shares[1][0] == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
 def test_resume_on_a_different_world_size(make_cfg, tmp_path, reference, first, second):
     cfg = with_cluster(make_cfg, f"resume{first}{second}", {}, steps=6, micro_batch_size=8, checkpoint_interval=3)
@@ -166,6 +169,7 @@ def _worker_pid(parent: int, local_rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tmp_path, strategy):
     cluster = {**two_cpus(slowdowns=(20.0, 20.0)), "balance": "fixed",
@@ -193,6 +197,7 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tm
     assert max_diff(consolidated(cfg), consolidated(clean)) == 0.0
 
 
+@pytest.mark.slow
 def test_rebalance_when_a_rank_slows_down(make_cfg, tmp_path):
     # 8x from step 5: the drift is then (8 - 1) / (8 + 1) = 0.78 of the median; load alone, on a
     # shared 2-core machine, once gave 0.4 for two steps in a row (a rebalance at step 5)
@@ -209,6 +214,7 @@ def test_rebalance_when_a_rank_slows_down(make_cfg, tmp_path):
     assert ev["new_samples"][1] < ev["old_samples"][1]
 
 
+@pytest.mark.slow
 def test_device_without_enough_memory_is_a_clear_error(make_cfg, tmp_path):
     cfg = with_cluster(make_cfg, "oom", two_cpus(memory_gb=0.0001))
     res = run_train(cfg, 2, tmp_path, timeout=120)
@@ -216,6 +222,7 @@ def test_device_without_enough_memory_is_a_clear_error(make_cfg, tmp_path):
     assert "no data-parallel strategy fits" in res.stderr or "GiB but the model needs about" in res.stderr
 
 
+@pytest.mark.slow
 def test_unreachable_rendezvous_fails_fast(make_cfg, tmp_path):
     cfg = make_cfg("lonely")
     path = tmp_path / "c.yaml"
@@ -232,6 +239,7 @@ def test_unreachable_rendezvous_fails_fast(make_cfg, tmp_path):
     assert time.time() - t0 < 60
 
 
+@pytest.mark.slow
 def test_a_device_with_less_memory_gets_a_plan_and_a_smaller_share(make_cfg, tmp_path):
     """Two CPU ranks of one declared speed, the second declaring 2.6 MiB: the whole tiny model fits
     there only with a recompute/offload plan, each rank trains under its own plan, and the balance

@@ -48,6 +48,7 @@ def planted(tmp_path_factory):
     return root / "run", task
 
 
+@pytest.mark.slow
 def test_the_planted_answers_score_100_percent(planted):
     run, task = planted
     model, state = load_for_inference(run)

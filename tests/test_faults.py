@@ -62,6 +62,7 @@ def _hetforge_lines(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if "error: rank" in ln]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_is_named_by_the_survivor_in_one_line(make_cfg, tmp_path):
     proc, log, run_dir = _launch(make_cfg, tmp_path, "killed", timeout_s=60)
     try:
@@ -84,6 +85,7 @@ def test_a_killed_rank_is_named_by_the_survivor_in_one_line(make_cfg, tmp_path):
     assert all(verify(p) is None for p in list_checkpoints(run_dir / "checkpoints"))
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_detected_within_the_collective_timeout(make_cfg, tmp_path):
     proc, log, run_dir = _launch(make_cfg, tmp_path, "stopped", timeout_s=6)
     try:
@@ -157,6 +159,7 @@ def test_disk_full_on_the_final_checkpoint_is_one_error_and_keeps_the_last(make_
     assert [p.name for p in root.iterdir()] == ["step_00000002"] and verify(root / "step_00000002") is None
 
 
+@pytest.mark.slow
 def test_more_ranks_than_declared_devices_fail_alike_on_every_rank(make_cfg, tmp_path):
     """Checked before any collective: each of the three ranks prints the same line (none dies in
     a gloo traceback waiting for a peer that already left)."""

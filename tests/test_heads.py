@@ -45,6 +45,7 @@ def test_aspect_sentences_cover_every_label():
     assert set(sections) == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_test_papers_are_held_out_of_pretraining(tmp_path, data_dir):
     assert held_out({"data_dir": str(data_dir)}) == {"test_papers": 100, "in_pretraining": 0}
     # the control: the same corpus with nothing excluded contains them
@@ -54,6 +55,7 @@ def test_test_papers_are_held_out_of_pretraining(tmp_path, data_dir):
     assert held_out({"data_dir": str(tmp_path / "all")})["in_pretraining"] == 100
 
 
+@pytest.mark.slow
 def test_heads_command(make_cfg, capsys):
     res = train(make_cfg("heads", steps=20))
     assert main(["heads", str(res.run_dir), "--json"]) == 0

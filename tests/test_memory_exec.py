@@ -102,6 +102,7 @@ def test_only_blocks_that_choose_per_unit_carry_the_labels():
     assert not any(bool(b.input_layernorm._forward_pre_hooks) for b in model.layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [True, False])
 def test_saved_bytes_and_peaks_match_the_prediction(parallel):
     """The profile's units priced right: what the ledger holds and the allocator's activation peak,
@@ -231,6 +232,7 @@ def test_timing_depth_is_the_model_depth_within_a_quarter_of_free_memory():
     assert free_memory_bytes(torch.device("cpu")) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("frac", [1.0, 0.6, 0.35])
 def test_planned_model_stays_within_the_budget(frac):
     """Budgets at 100%, 60% and 35% of keep-all's activation memory (or the feasible minimum, if

@@ -64,6 +64,7 @@ def budget_between(prof: ModelProfile, menu, frac: float) -> float:
     return lo + frac * (keep - lo)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("frac", [0.95, 0.6, 0.3])
 def test_block_milp_equals_brute_force(seed, frac):
@@ -91,6 +92,7 @@ def solved_like_brute_force(prof: ModelProfile, menu, frac: float) -> Plan:
     return plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("frac", [0.8, 0.4, 0.1])
@@ -210,6 +212,7 @@ def test_minimum_budget_is_the_brute_force_minimum(overlap):
     assert minimum_budget(tiny, menu) == pytest.approx(true_min, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_monotonic_and_keep_all_and_baselines_never_faster():
     prof = synthetic(12, 3)
     keep = simulate(prof, Plan(["keep"] * 12))
@@ -286,6 +289,7 @@ def test_decisions_encode_and_name():
         blk.cost("attn:sometimes | mlp:keep")
 
 
+@pytest.mark.slow
 def test_tensor_solve_scales_to_deep_models():
     """FORGE-l depth (48 blocks) and twice that, at the tightest and a middle budget."""
     base = synthetic(1, 8, link_mb_s=300.0, units_per_branch=4)
@@ -298,6 +302,7 @@ def test_tensor_solve_scales_to_deep_models():
             assert plan.solve["seconds"] < 60
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(60))
 def test_answers_are_checked_the_minimum_passes_back_and_keep_all_is_exact(seed):
     """The planner's answers hold under the simulator: the minimum it names (exact, and as printed,

@@ -97,6 +97,7 @@ def test_one_kind_of_rank_is_planned_once():
     assert declared_link(cfg).bytes_per_s == 1e9
 
 
+@pytest.mark.slow
 def test_a_launched_cpu_cluster_plans_what_plan_cluster_printed(data_dir, tmp_path):
     """Three CPU ranks declared (speeds, memory, the link): the plan a torchrun launch writes to its
     run directory is the very object `hetforge plan --cluster` printed for that cluster."""

@@ -150,6 +150,7 @@ def test_size_command(tmp_path, capsys):
     assert "no bf16" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sweep_fit_and_report(make_cfg, tmp_path, capsys):
     """A grid of 3 sizes x 3 token budgets on the CPU, fitted; a held-out run is predicted within
     5%; each run reports its FLOPs, tokens, utilisation, time and (declared) energy."""

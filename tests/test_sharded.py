@@ -62,6 +62,7 @@ CASES = [("fsdp", [(1, 1), (2, 1), (5, 2)], None), ("fsdp", [(8, 4), (0, 1)], No
                          ids=[f"{s}-{'+'.join(str(n) for n, _ in sh)}"
                               f"{ {None: '', 1: '-per-block', 'slow': '-slow', 'unsharded': '-unsharded'}[u]}"
                               for s, sh, u in CASES])
+@pytest.mark.slow
 def test_sharded_update_equals_one_process(make_cfg, tmp_path, reference, strategy, shares, unit_params):
     slow = unit_params == "slow"  # a rank simulated 1.5x slower: its per-module marks leave the update alone
     unsharded = unit_params == "unsharded"
@@ -100,6 +101,7 @@ def state_bytes(cfg) -> dict:
     return next(e for e in read_metrics(Path(cfg.run_dir) / "metrics.jsonl")["event"] if e["event"] == "state_bytes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_holds_a_1_over_w_share_of_the_state_as_predicted(make_cfg, tmp_path, world):
     shares = [(2, 2)] * world
@@ -148,6 +150,7 @@ CHAINS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chain", list(CHAINS))
 def test_resume_across_strategy_and_world_size(make_cfg, tmp_path, reference6, chain):
     """Two steps under each: the sample sequence and the losses are the single process's."""
@@ -256,6 +259,7 @@ def test_pick_strategy_prefers_sharding_to_the_host_optimizer():
         pick_strategy(fits, ["cpu", "small"])
 
 
+@pytest.mark.slow
 def test_auto_shards_where_a_rank_is_short_of_memory_and_plans_it(make_cfg, tmp_path):
     """The rank declaring 2.6 MiB cannot hold a replica beside any activation plan: auto shards
     (the planner's verdicts per strategy), and the small rank trains under a plan priced with its
@@ -276,6 +280,7 @@ def test_auto_shards_where_a_rank_is_short_of_memory_and_plans_it(make_cfg, tmp_
     assert sum(s["samples"] for s in plan["balance"]["shares"]) == 16
 
 
+@pytest.mark.slow
 def test_plan_cluster_prints_the_strategy_and_each_kinds_plan(tmp_path):
     import subprocess
     import sys
@@ -356,6 +361,7 @@ def test_memory_proportional_state_lets_zero1_fit_where_equal_parts_do_not():
     assert z["optimizer state"] == pytest.approx(8 * count_parameters(shape)["total"] * shares[3])
 
 
+@pytest.mark.slow
 def test_zero1_by_memory_equals_one_process_and_holds_state_in_proportion(make_cfg, tmp_path, reference):
     """Ranks declaring 6 and 2 GB: rank 0 holds ~3/4 of the optimizer state, as predicted, and the
     update is still the global batch's."""
@@ -403,6 +409,7 @@ def test_fsdp_takes_one_block_a_unit_only_where_grouped_units_do_not_fit():
     assert unit_size_that_fits(shape, "adamw", [RankNeed(0, "cpu", None, act)] * 4, "fsdp", 4, 4) == (1 << 22, None)
 
 
+@pytest.mark.slow
 def test_probe_times_the_proxy_under_fsdp_hooks_on_a_mesh_of_its_own_rank(tmp_path):
     """A rank's proxy is wrapped as the model is, on its own one-rank mesh: ranks that time
     different sizes never meet in a collective (a shared one would hang or fail), and the wrapped

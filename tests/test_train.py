@@ -126,6 +126,7 @@ def test_lamb_and_bf16_train(make_cfg, optimizer, precision):
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_writes_checkpoint_before_exit(make_cfg, tmp_path, sig, code):
     cfg = make_cfg(steps=100000, checkpoint_interval=100000, eval_interval=100000)
@@ -162,6 +163,7 @@ def test_seq_len_too_large_for_data(make_cfg):
         train(make_cfg(seq_len=10_000_000))
 
 
+@pytest.mark.slow
 def test_wandb_offline_mirrors_the_run_and_a_resume_continues_it(make_cfg):
     """train.wandb=offline: a W&B run under RUN/wandb, no network; resuming reuses its id."""
     cfg = make_cfg("wb", steps=4, checkpoint_interval=2, wandb="offline")

@@ -84,10 +84,9 @@ def planned_step_costs(keep_all_s: dict[int, float], predicted_keep_all_s: dict[
 
 
 # A size is timed `steps` times at least, and while its timed steps add up to less than
-# PROBE_MIN_S, up to PROBE_MAX_FACTOR x `steps`: on a CPU a median of two short steps put a single
-# sample at 28 ms against 32 ms a sample in batches of 8, and the balance chose micro-batches of 1
-# and 2, whose hooks and loader cost more in the loop than in a bare model's steps (a sharded run's
-# proxy is now timed under FSDP2's hooks: `probe`'s `wrap`).
+# PROBE_MIN_S, up to PROBE_MAX_FACTOR x `steps`: on a CPU the median of two short steps can price a
+# small micro-batch cheaper per sample than a large one, and the balance would then choose micro-
+# batches whose hooks and loader cost more in the loop than in a bare model's steps.
 PROBE_MIN_S = 0.3
 PROBE_MAX_FACTOR = 5
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 from rich.console import Console
@@ -48,3 +49,14 @@ def render_text(*renderables) -> str:
     for r in renderables:
         out.print(r)
     return out.file.getvalue()
+
+
+@contextlib.contextmanager
+def working(message: str):
+    """Say what a long step is doing: one line in a log, a spinner on a terminal."""
+    if not sys.stdout.isatty():
+        console.print(message)
+        yield
+        return
+    with console.status(message, spinner="dots"):
+        yield

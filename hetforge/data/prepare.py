@@ -243,15 +243,11 @@ def encode_chunk(chunk_d: dict, settings: dict, tokenizer_path: str, dtype: str,
     batch: list[str] = []
     batch_chars = 0
 
-    def write(ids: np.ndarray) -> None:
-        tokens_out.write(ids.astype(dtype, copy=False).tobytes())
-        lengths.append(len(ids))
-
     def flush() -> None:
         nonlocal batch, batch_chars
-        if batch:
-            for enc in tok.encode_batch(batch, add_special_tokens=False):
-                write(np.asarray(enc.ids, dtype=dtype))
+        for enc in tok.encode_batch(batch, add_special_tokens=False) if batch else []:
+            tokens_out.write(np.asarray(enc.ids, dtype=dtype).tobytes())
+            lengths.append(len(enc.ids))
         batch, batch_chars = [], 0
 
     def encode_long(text: str) -> None:
@@ -302,16 +298,22 @@ def encode_chunk(chunk_d: dict, settings: dict, tokenizer_path: str, dtype: str,
     flush()
     tokens_out.close()
     ids_out.close()
-    np.save(tmp / "lengths.npy", np.asarray(lengths, dtype=np.int64))
-    np.save(tmp / "hashes.npy", np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(-1, 2))
-    np.save(tmp / "bytes.npy", np.asarray(nbytes, dtype=np.int64))
     report.docs_kept = len(lengths)
     summary = {"index": chunk.index, "source": chunk.source, "documents": len(lengths), "tokens": int(sum(lengths)),
                "bytes": int(sum(nbytes)), "long_split": long_split, "long_truncated": long_truncated,
                "report": report.to_dict()}
+    _write_chunk(tmp, final, lengths, hashes, nbytes, summary)
+    return summary
+
+
+def _write_chunk(tmp: Path, final: Path, lengths: list[int], hashes: list[bytes], nbytes: list[int],
+                 summary: dict) -> None:
+    """A chunk's per-document arrays and summary beside its tokens, then the chunk renamed into place."""
+    np.save(tmp / "lengths.npy", np.asarray(lengths, dtype=np.int64))
+    np.save(tmp / "hashes.npy", np.frombuffer(b"".join(hashes), dtype=np.uint64).reshape(-1, 2))
+    np.save(tmp / "bytes.npy", np.asarray(nbytes, dtype=np.int64))
     (tmp / "summary.json").write_text(json.dumps(summary))
     _publish(tmp, final)
-    return summary
 
 
 # --- running chunks on workers ------------------------------------------------------------------
@@ -463,8 +465,9 @@ def _doc_text(plan: Plan, settings: dict, chunk: int, index: int) -> str:
 
 def _merge(cfg: "DataConfig", plan: Plan, work: Path, key: str, settings: dict, progress: bool,
            timings: dict | None = None) -> tuple[dict, float]:
-    from hetforge.data.dedup import first_of_each_cluster, near_duplicate_clusters
-
+    """Every encoded chunk into the output: duplicates dropped across chunks, documents split into
+    train and val, the shards, the index and meta.json written into a temporary directory and
+    published whole."""
     missing = [c.index for c in plan.chunks if not _chunk_done(work, c.index)]
     if missing:
         raise PrepareError(f"prepare --merge: {len(missing)} of {len(plan.chunks)} chunk(s) are not encoded yet "
@@ -474,8 +477,64 @@ def _merge(cfg: "DataConfig", plan: Plan, work: Path, key: str, settings: dict, 
     summaries = [json.loads((d / "summary.json").read_text()) for d in chunk_dirs]
     report = _merge_reports(plan, summaries)
     report["docs_dropped"] = dict(report["docs_dropped"])
+    kept, examples = _deduplicate(cfg, plan, work, settings, chunk_dirs, summaries, report)
+    n = int(sum(k.sum() for k in kept))
+    report["docs_kept"] = n
+    is_val = _split_documents(n, cfg.val_fraction, cfg.seed, report)
 
-    # exact: the first occurrence of each hash, in corpus order
+    tok_path = work / "tokenizer.json"
+    tok = load_tokenizer(tok_path)
+    dtype = token_dtype(tok.get_vocab_size())
+    out_dir = Path(cfg.out_dir)
+    tmp = _atomic_dir(out_dir)
+    splits, per_source = _write_shards(cfg, tmp, chunk_dirs, summaries, kept, is_val, dtype,
+                                       tok.token_to_id(EOT), progress)
+    shutil.copyfile(tok_path, tmp / "tokenizer.json")
+    weighted = sum(src["tokens"]["train"] * s.weight for src, s in zip(per_source, cfg.sources)) or 1
+    sources = [{**s.model_dump(mode="json"), "documents": src["documents"], "bytes": src["bytes"],
+                "tokens": src["tokens"], "train_range": src["train_range"] or [0, 0],
+                "mix_share": src["tokens"]["train"] * s.weight / weighted, "epochs_per_pass": s.weight}
+               for src, s in zip(per_source, cfg.sources)]
+    report["long_docs_split"] = sum(s["long_split"] for s in summaries)
+    report["long_docs_truncated"] = sum(s["long_truncated"] for s in summaries)
+    report["near_duplicate_examples"] = examples
+    sample = json.loads((work / "tokenizer_sample.json").read_text()) if (work / "tokenizer_sample.json").is_file() else None
+    near = settings["near"]
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": _fingerprint(cfg, chunk_dirs, kept, tok_path),
+        "inputs_key": key,
+        "tokenizer_sha256": tokenizer_hash(tmp / "tokenizer.json"),
+        "tokenizer_sample": sample,
+        "vocab_size": tok.get_vocab_size(),
+        "eot_id": tok.token_to_id(EOT),
+        "pad_id": tok.token_to_id("<|padding|>"),
+        "dtype": dtype,
+        "splits": splits,
+        "sources": sources,
+        "dedup": {"exact": cfg.dedup.exact, "near": {**near, "threshold": cfg.dedup.near.threshold} if near else None},
+        "chunks": len(plan.chunks),
+        "seconds": {**(timings or {}), "merge": round(time.perf_counter() - t0, 2)},
+        "report": report,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if examples:
+        with (tmp / "near_duplicates.jsonl").open("w", encoding="utf-8") as f:
+            for e in examples:
+                f.write(json.dumps(e) + "\n")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _publish(tmp, out_dir)
+    return meta, time.perf_counter() - t0
+
+
+def _deduplicate(cfg: "DataConfig", plan: Plan, work: Path, settings: dict, chunk_dirs: list[Path],
+                 summaries: list[dict], report: dict) -> tuple[list[np.ndarray], list[dict]]:
+    """Per chunk, which of its documents stay: the first of each exact hash in corpus order, then
+    the first member of each near-duplicate cluster (datatrove's) that exact dedup kept; and a few
+    removed pairs as examples for the report."""
+    from hetforge.data.dedup import first_of_each_cluster, near_duplicate_clusters
+
     counts = [s["documents"] for s in summaries]
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     kept = [np.ones(n, dtype=bool) for n in counts]
@@ -489,7 +548,6 @@ def _merge(cfg: "DataConfig", plan: Plan, work: Path, key: str, settings: dict, 
         n_exact = int(len(keep_all) - keep_all.sum())
         if n_exact:
             report["docs_dropped"]["exact duplicate"] = n_exact
-    # near: datatrove's clusters; the first member exact dedup kept stays
     examples = []
     near = settings["near"]
     if near:
@@ -506,25 +564,22 @@ def _merge(cfg: "DataConfig", plan: Plan, work: Path, key: str, settings: dict, 
             ids = [(chunk_dirs[c] / "doc_ids.txt").read_text().splitlines()[d] for c, d in ((ca, da), (cb, db))]
             examples.append({"kept": ids[0], "removed": ids[1], "kept_text": _doc_text(plan, settings, ca, da)[:300],
                              "removed_text": _doc_text(plan, settings, cb, db)[:300]})
-    n = int(sum(k.sum() for k in kept))
-    report["docs_kept"] = n
-    is_val = _split_documents(n, cfg.val_fraction, cfg.seed, report)
+    return kept, examples
 
-    tok_path = work / "tokenizer.json"
-    tok = load_tokenizer(tok_path)
-    dtype = token_dtype(tok.get_vocab_size())
-    eot = tok.token_to_id(EOT)
+
+def _write_shards(cfg: "DataConfig", tmp: Path, chunk_dirs: list[Path], summaries: list[dict],
+                  kept: list[np.ndarray], is_val: np.ndarray, dtype: str, eot: int,
+                  progress: bool) -> tuple[dict, list[dict]]:
+    """The kept documents of every chunk, in corpus order, each followed by the end-of-text token,
+    into train.bin / val.bin with their document ids and index; per split its size, per source its
+    documents, bytes, tokens and its range of train positions."""
     eot_bytes = np.asarray([eot], dtype=dtype).tobytes()
-    out_dir = Path(cfg.out_dir)
-    tmp = _atomic_dir(out_dir)
     files = {s: (tmp / f"{s}.bin").open("wb") for s in ("train", "val")}
     ids_files = {s: (tmp / f"{s}.doc_ids.txt").open("w", encoding="utf-8") for s in ("train", "val")}
     lengths: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     per_source = [{"documents": 0, "bytes": 0, "tokens": {"train": 0, "val": 0}, "train_range": None}
                   for _ in cfg.sources]
-    position = {"train": 0, "val": 0}
-    split_bytes = {"train": 0, "val": 0}
-    g = 0
+    position, split_bytes, g = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0
     with make_progress(enabled=progress) as bar:
         task = bar.add_task("writing shards", total=len(chunk_dirs))
         for d, s, keep in zip(chunk_dirs, summaries, kept):
@@ -567,51 +622,19 @@ def _merge(cfg: "DataConfig", plan: Plan, work: Path, key: str, settings: dict, 
             np.zeros(1, dtype=dtype).tofile(tmp / f"{split_name}.bin")
         splits[split_name] = {"tokens": int(offsets[-1]), "documents": int(len(lens)), "file": f"{split_name}.bin",
                               "bytes": split_bytes[split_name]}
-    shutil.copyfile(tok_path, tmp / "tokenizer.json")
+    return splits, per_source
 
-    weighted = sum(src["tokens"]["train"] * s.weight for src, s in zip(per_source, cfg.sources)) or 1
-    sources = []
-    for src, s in zip(per_source, cfg.sources):
-        sources.append({**s.model_dump(mode="json"), "documents": src["documents"], "bytes": src["bytes"],
-                        "tokens": src["tokens"], "train_range": src["train_range"] or [0, 0],
-                        "mix_share": src["tokens"]["train"] * s.weight / weighted,
-                        "epochs_per_pass": s.weight})
+
+def _fingerprint(cfg: "DataConfig", chunk_dirs: list[Path], kept: list[np.ndarray], tok_path: Path) -> str:
+    """What the shards are a function of: the settings, every document the filters kept in corpus
+    order and what became of it, and the tokenizer."""
     fp = hashlib.sha256(json.dumps({"format": FORMAT_VERSION, "settings": cfg.model_dump(
         mode="json", exclude={"out_dir", "workers", "chunk_bytes"})}, sort_keys=True).encode())
-    for d in chunk_dirs:  # every document the filters kept, in corpus order, and what became of it
+    for d in chunk_dirs:
         fp.update(np.load(d / "hashes.npy").tobytes())
     fp.update(np.packbits(np.concatenate(kept) if kept else np.empty(0, bool)).tobytes())
     fp.update(tokenizer_hash(tok_path).encode())
-    report["long_docs_split"] = sum(s["long_split"] for s in summaries)
-    report["long_docs_truncated"] = sum(s["long_truncated"] for s in summaries)
-    report["near_duplicate_examples"] = examples
-    sample = json.loads((work / "tokenizer_sample.json").read_text()) if (work / "tokenizer_sample.json").is_file() else None
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fp.hexdigest(),
-        "inputs_key": key,
-        "tokenizer_sha256": tokenizer_hash(tmp / "tokenizer.json"),
-        "tokenizer_sample": sample,
-        "vocab_size": tok.get_vocab_size(),
-        "eot_id": eot,
-        "pad_id": tok.token_to_id("<|padding|>"),
-        "dtype": dtype,
-        "splits": splits,
-        "sources": sources,
-        "dedup": {"exact": cfg.dedup.exact, "near": {**near, "threshold": cfg.dedup.near.threshold} if near else None},
-        "chunks": len(plan.chunks),
-        "seconds": {**(timings or {}), "merge": round(time.perf_counter() - t0, 2)},
-        "report": report,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    if examples:
-        with (tmp / "near_duplicates.jsonl").open("w", encoding="utf-8") as f:
-            for e in examples:
-                f.write(json.dumps(e) + "\n")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _publish(tmp, out_dir)
-    return meta, time.perf_counter() - t0
+    return fp.hexdigest()
 
 
 # --- entry points -------------------------------------------------------------------------------

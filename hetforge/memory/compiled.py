@@ -2,18 +2,15 @@
 
 Under `torch.compile` the AOT partitioner decides what a compiled region saves for its backward, and
 `torch._functorch.config.activation_memory_budget` (0 to 1) lets it save less by recomputing in the
-backward what is cheap to make again: pointwise ops first, fused into the backward's own kernels. On
-the CPU bench (`bench/memory_plans.py`) torch.compile's whole-model budget reached 0.63-0.66 of
-keep-all's activation memory at 0.98-1.02x of its compiled time, while hetforge's compiled plans,
-recomputing whole branches, ran at 1.12-1.18x within 80%; with the budget at 0.7 on every branch of
-tiny's compiled blocks, 0.68 of the memory at 1.02x. A memory plan offers it per kept branch
-(`plan.BranchPlan.budget`), priced on a compiled profile (`profile.profile_model(compiled=True)`).
+backward what is cheap to make again: pointwise ops first, fused into the backward's own kernels, a
+cheaper way to a smaller footprint than recomputing whole branches (`bench/memory_plans.py`
+compares the two). A memory plan offers it per kept branch (`plan.BranchPlan.budget`), priced on a
+compiled profile (`profile.profile_model(compiled=True)`).
 
 The budget is read while a region compiles, so one budget per graph: each budget is its own
 backend, and dynamo keeps one graph per backend of a function (its backend-match guard), so blocks
-that share a budget share a graph. A branch's saved bytes move in steps as the budget falls
-(tiny's attention: 4.0, 3.0, 2.5 and 0.02 MiB at 1, 0.7, 0.5 and 0.4 and under; its MLP 4.5, 2.0
-and 0.01 MiB), which `COMPILED_BUDGETS` samples.
+that share a budget share a graph. A branch's saved bytes move in steps as the budget falls, not
+smoothly, which `COMPILED_BUDGETS` samples.
 """
 
 from __future__ import annotations
@@ -57,9 +54,8 @@ def compile_chain(layers: torch.nn.Module, whole_chain: bool = False) -> None:
     plan's runner calls) and, with `whole_chain`, the chain's own forward as one graph, which runs
     wherever no plan needs the branches one by one (no plan, or a keep-all plan between measured
     steps: `executor.PlannedBlocks`). One graph over every block runs like whole-model
-    `torch.compile`, which the branches alone did not: on the CPU bench's models (4 and 12 blocks)
-    the branches alone ran keep-all at 1.01-1.07x of whole-model compile, the chain at 0.97-0.99x
-    (60 and 40 interleaved rounds). Its cold start traces every block, not one, and its backward
+    `torch.compile`, which the branches alone, with a graph break between each, do not quite
+    (`bench/memory_plans.py`). Its cold start traces every block, not one, and its backward
     is one autograd node: the gradients are ready only at its end, so a DDP run (whose all-reduce
     overlaps the backward bucket by bucket) and a sharded one keep to the branches."""
     compile_branches(layers)

@@ -124,9 +124,8 @@ def plan_profile(prof: ModelProfile, model_cfg: GPTNeoXConfig, mem_cfg, micro_ba
 
 def rebuild_units(mem_cfg, compiled: bool) -> bool:
     """Whether plans may rebuild units (`memory.rebuild`). Auto: only where the blocks run eager. A
-    rebuilding branch runs eager, giving up its compiled kernels: on the bench's CPU a compiled plan
-    that rebuilt its MLPs ran at 1.12x of torch.compile's keep-all against 0.99x for torch.compile's
-    own budget. A compiled run has the partitioner's recomputation instead (compile budgets,
+    rebuilding branch runs eager, giving up its compiled kernels, which costs more than the
+    compiler's own recomputation does. A compiled run has the partitioner's recomputation instead (compile budgets,
     `memory.compiled`), which makes again what rebuilding would, inside the compiled backward."""
     return mem_cfg.rebuild == "on" or (mem_cfg.rebuild == "auto" and not compiled)
 

@@ -111,141 +111,178 @@ def _tensor_terms(h: highspy.Highs, blk: BlockProfile, menu: TensorMenu) -> dict
     """Binaries per branch (recompute), per saved unit (offload), per op unit (cache), per input
     (offload), and a continuous "input on the device" bounded below by every branch that needs it.
     The own peaks depend on both branch modes: `both` is their product, made exact by three rows."""
-    r = {br: h.addBinary() for br in BRANCHES}
-    off, made, cache, ins, sels = {}, {}, {}, {}, {}
-    held, host, rec, cached = 0.0, 0.0, 0.0, 0.0
-    for u in blk.of("saved"):
-        held = held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch])
-        if menu.offload:
-            o = off[u.name] = h.addBinary()
-            h.addConstr(o + r[u.branch] <= 1)
-            held = held - _c(u.bytes / MIB, o)
-            host = host + _c(u.host_bytes / MIB, o)
-        if menu.rebuild and u.name in blk.rebuildable:
-            m = made[u.name] = h.addBinary()  # rebuilt in the backward: not held, its op paid again
-            h.addConstr(m + r[u.branch] + off.get(u.name, 0.0) <= 1)
-            held = held - _c(u.rebuild_bytes / MIB, m)
-            rec = rec + _c(u.time_s * MS, m)
-    budgets = {}
-    for br in BRANCHES:
-        saved = blk.of("saved", br)
-        # a compiled run's kept branch runs eager once it offloads or rebuilds any unit
-        per_op = [v for u in saved for v in (off.get(u.name), made.get(u.name)) if v is not None]
-        if per_op and blk.eager_s(br) > 1e-12:
-            e = h.addVariable(lb=0, ub=1)
-            for v in per_op:
-                h.addConstr(e - v >= 0)
-            rec = rec + _c(blk.eager_s(br) * MS, e)
-        # A kept branch compiled at a budget under 1 (a compiled run's profile): its measured bytes
-        # replace its saved units', whose offload and rebuild binaries it excludes.
-        zs = budgets[br] = {b: h.addBinary() for b in blk.budgets(br)}
-        if not zs:
-            continue
-        h.addConstr(r[br] + sum(zs.values()) <= 1)
-        for u in saved:
-            if u.name in off or u.name in made:
-                h.addConstr(off.get(u.name, 0.0) + made.get(u.name, 0.0) + sum(zs.values()) <= 1)
-        units_mib = sum(u.bytes for u in saved) / MIB
-        for b, z in zs.items():
-            fig = blk.compiled[br][budget_key(b)]
-            held = held + _c(fig["held"] / MIB - units_mib, z)
-            rec = rec + _c(fig["time_s"] * MS, z)
-    for br in BRANCHES:
-        # A recomputed branch costs its plain checkpoint; caching any op unit switches it to selective
-        # checkpointing (`sac`: fixed cost, then each cached unit saves its time).
-        ops = blk.of("op", br)
-        fixed = blk.recompute.get(br)
-        plain = fixed["plain"] if fixed else sum(v.time_s for v in ops)
-        sac = fixed["sac"] if fixed else sum(v.time_s for v in ops)
-        rec = rec + _c(plain * MS, r[br])
-        if not ops:
-            continue
-        sel = sels[br] = h.addBinary()  # selective checkpointing in use
-        h.addConstr(sel - r[br] <= 0)
-        for v in ops:
-            c = cache[v.name] = h.addBinary()
-            h.addConstr(c - sel <= 0)
-            cached = cached + _c(v.bytes / MIB, c)
-            rec = rec - _c(v.time_s * MS, c)
-        h.addConstr(sel - sum(cache[v.name] for v in ops) <= 0)
-        rec = rec + _c((sac - plain) * MS, sel)
-    for x in blk.of("input"):
-        on = h.addVariable(lb=0, ub=1)
-        o = h.addBinary() if menu.offload else None
-        if o is not None:
-            ins[x.name] = o
-        for b in x.users:
-            h.addConstr(on - r[b] >= 0)  # a recomputed branch holds its input
-            h.addConstr(on + r[b] + (o if o is not None else 0.0) >= 1)  # a kept branch saves it
-        if o is not None:
-            h.addConstr(o + sum(r[b] for b in x.users) <= len(x.users))  # offloaded only if saved
-            host = host + _c(x.host_bytes / MIB, o)
-        held = held + _c(x.bytes / MIB, on)
-    movers = [*off.values(), *made.values(), *ins.values()]
-    if movers and blk.hooks_s > 1e-12:  # the block runs under the saved-tensor hooks once anything moves
-        hooked = h.addVariable(lb=0, ub=1)
-        for v in movers:
-            h.addConstr(hooked - v >= 0)
-        rec = rec + _c(blk.hooks_s * MS, hooked)
-    both = h.addVariable(lb=0, ub=1)
-    h.addConstr(both - r["attn"] - r["mlp"] >= -1)
-    h.addConstr(both - r["attn"] <= 0)
-    h.addConstr(both - r["mlp"] <= 0)
-    extra = blk.both_extra_s
-    if abs(extra) > 1e-12:
-        # both branches recomputed by plain checkpoints (no selective one): 1 exactly then, for
-        # either sign of the correction (the rows bound it from above and from below)
-        plain_both = h.addVariable(lb=0, ub=1)
+    return _TensorTerms(h, blk, menu).terms()
+
+
+class _TensorTerms:
+    """The variables and rows of one block at granularity "tensor" (`_tensor_terms`), added to `h`
+    part by part; `held`, `host`, `rec` and `cached` are the block's linear terms as they grow."""
+
+    def __init__(self, h: highspy.Highs, blk: BlockProfile, menu: TensorMenu):
+        self.h, self.blk, self.menu = h, blk, menu
+        self.r = {br: h.addBinary() for br in BRANCHES}
+        self.off, self.made, self.cache, self.ins, self.sels, self.budgets = {}, {}, {}, {}, {}, {}
+        self.held, self.host, self.rec, self.cached = 0.0, 0.0, 0.0, 0.0
+        self._saved_units()
+        self._kept_branches()
+        self._recomputed_branches()
+        self._inputs()
+        self._hooks()
+        self.both = self._both()
+
+    def _saved_units(self) -> None:
+        h, r = self.h, self.r
+        for u in self.blk.of("saved"):
+            self.held = self.held + u.bytes / MIB - _c(u.bytes / MIB, r[u.branch])
+            if self.menu.offload:
+                o = self.off[u.name] = h.addBinary()
+                h.addConstr(o + r[u.branch] <= 1)
+                self.held = self.held - _c(u.bytes / MIB, o)
+                self.host = self.host + _c(u.host_bytes / MIB, o)
+            if self.menu.rebuild and u.name in self.blk.rebuildable:
+                m = self.made[u.name] = h.addBinary()  # rebuilt in the backward: not held, its op paid again
+                h.addConstr(m + r[u.branch] + self.off.get(u.name, 0.0) <= 1)
+                self.held = self.held - _c(u.rebuild_bytes / MIB, m)
+                self.rec = self.rec + _c(u.time_s * MS, m)
+
+    def _kept_branches(self) -> None:
+        h, blk, off, made = self.h, self.blk, self.off, self.made
         for br in BRANCHES:
-            h.addConstr(plain_both - r[br] <= 0)
-        for sel in sels.values():
-            h.addConstr(plain_both + sel <= 1)
-        h.addConstr(plain_both - r["attn"] - r["mlp"] + sum(sels.values()) >= -1)
-        rec = rec + _c(extra * MS, plain_both)
+            saved = blk.of("saved", br)
+            # a compiled run's kept branch runs eager once it offloads or rebuilds any unit
+            per_op = [v for u in saved for v in (off.get(u.name), made.get(u.name)) if v is not None]
+            if per_op and blk.eager_s(br) > 1e-12:
+                e = h.addVariable(lb=0, ub=1)
+                for v in per_op:
+                    h.addConstr(e - v >= 0)
+                self.rec = self.rec + _c(blk.eager_s(br) * MS, e)
+            # A kept branch compiled at a budget under 1 (a compiled run's profile): its measured bytes
+            # replace its saved units', whose offload and rebuild binaries it excludes.
+            zs = self.budgets[br] = {b: h.addBinary() for b in blk.budgets(br)}
+            if not zs:
+                continue
+            h.addConstr(self.r[br] + sum(zs.values()) <= 1)
+            for u in saved:
+                if u.name in off or u.name in made:
+                    h.addConstr(off.get(u.name, 0.0) + made.get(u.name, 0.0) + sum(zs.values()) <= 1)
+            units_mib = sum(u.bytes for u in saved) / MIB
+            for b, z in zs.items():
+                fig = blk.compiled[br][budget_key(b)]
+                self.held = self.held + _c(fig["held"] / MIB - units_mib, z)
+                self.rec = self.rec + _c(fig["time_s"] * MS, z)
 
-    def peak(i: int):
-        p = {k: v[i] / MIB for k, v in blk.peaks.items()}
+    def _recomputed_branches(self) -> None:
+        """A recomputed branch costs its plain checkpoint; caching any op unit switches it to selective
+        checkpointing (`sac`: fixed cost, then each cached unit saves its time)."""
+        h, blk = self.h, self.blk
+        for br in BRANCHES:
+            ops = blk.of("op", br)
+            fixed = blk.recompute.get(br)
+            plain = fixed["plain"] if fixed else sum(v.time_s for v in ops)
+            sac = fixed["sac"] if fixed else sum(v.time_s for v in ops)
+            self.rec = self.rec + _c(plain * MS, self.r[br])
+            if not ops:
+                continue
+            sel = self.sels[br] = h.addBinary()  # selective checkpointing in use
+            h.addConstr(sel - self.r[br] <= 0)
+            for v in ops:
+                c = self.cache[v.name] = h.addBinary()
+                h.addConstr(c - sel <= 0)
+                self.cached = self.cached + _c(v.bytes / MIB, c)
+                self.rec = self.rec - _c(v.time_s * MS, c)
+            h.addConstr(sel - sum(self.cache[v.name] for v in ops) <= 0)
+            self.rec = self.rec + _c((sac - plain) * MS, sel)
+
+    def _inputs(self) -> None:
+        h, r = self.h, self.r
+        for x in self.blk.of("input"):
+            on = h.addVariable(lb=0, ub=1)
+            o = h.addBinary() if self.menu.offload else None
+            if o is not None:
+                self.ins[x.name] = o
+            for b in x.users:
+                h.addConstr(on - r[b] >= 0)  # a recomputed branch holds its input
+                h.addConstr(on + r[b] + (o if o is not None else 0.0) >= 1)  # a kept branch saves it
+            if o is not None:
+                h.addConstr(o + sum(r[b] for b in x.users) <= len(x.users))  # offloaded only if saved
+                self.host = self.host + _c(x.host_bytes / MIB, o)
+            self.held = self.held + _c(x.bytes / MIB, on)
+
+    def _hooks(self) -> None:
+        movers = [*self.off.values(), *self.made.values(), *self.ins.values()]
+        if movers and self.blk.hooks_s > 1e-12:  # the block runs under the saved-tensor hooks once anything moves
+            hooked = self.h.addVariable(lb=0, ub=1)
+            for v in movers:
+                self.h.addConstr(hooked - v >= 0)
+            self.rec = self.rec + _c(self.blk.hooks_s * MS, hooked)
+
+    def _both(self):
+        h, r = self.h, self.r
+        both = h.addVariable(lb=0, ub=1)
+        h.addConstr(both - r["attn"] - r["mlp"] >= -1)
+        h.addConstr(both - r["attn"] <= 0)
+        h.addConstr(both - r["mlp"] <= 0)
+        extra = self.blk.both_extra_s
+        if abs(extra) > 1e-12:
+            # both branches recomputed by plain checkpoints (no selective one): 1 exactly then, for
+            # either sign of the correction (the rows bound it from above and from below)
+            plain_both = h.addVariable(lb=0, ub=1)
+            for br in BRANCHES:
+                h.addConstr(plain_both - r[br] <= 0)
+            for sel in self.sels.values():
+                h.addConstr(plain_both + sel <= 1)
+            h.addConstr(plain_both - r["attn"] - r["mlp"] + sum(self.sels.values()) >= -1)
+            self.rec = self.rec + _c(extra * MS, plain_both)
+        return both
+
+    def peak(self, i: int):
+        p = {k: v[i] / MIB for k, v in self.blk.peaks.items()}
         kk, rk, kr, rr = p["keep/keep"], p["recompute/keep"], p["keep/recompute"], p["recompute/recompute"]
-        return kk + _c(rk - kk, r["attn"]) + _c(kr - kk, r["mlp"]) + _c(rr - rk - kr + kk, both) + cached
+        r = self.r
+        return kk + _c(rk - kk, r["attn"]) + _c(kr - kk, r["mlp"]) + _c(rr - rk - kr + kk, self.both) + self.cached
 
-    def extract() -> str:
+    def extract(self) -> str:
+        h = self.h
         chosen = lambda d: frozenset(k for k, v in d.items() if h.val(v) > 0.5)  # noqa: E731
         plans = {}
         for br in BRANCHES:
-            if h.val(r[br]) > 0.5:
-                plans[br] = BranchPlan("recompute", frozenset(k for k in chosen(cache) if k.startswith(br + ".")))
-            elif any(h.val(z) > 0.5 for z in budgets[br].values()):
-                plans[br] = BranchPlan("keep", budget=next(b for b, z in budgets[br].items() if h.val(z) > 0.5))
+            if h.val(self.r[br]) > 0.5:
+                plans[br] = BranchPlan("recompute", frozenset(k for k in chosen(self.cache) if k.startswith(br + ".")))
+            elif any(h.val(z) > 0.5 for z in self.budgets[br].values()):
+                plans[br] = BranchPlan("keep", budget=next(b for b, z in self.budgets[br].items() if h.val(z) > 0.5))
             else:
-                plans[br] = BranchPlan("keep", frozenset(k for k in chosen(off) if k.startswith(br + ".")),
-                                       frozenset(k for k in chosen(made) if k.startswith(br + ".")))
-        return blk.name(Decision(plans["attn"], plans["mlp"], chosen(ins)))
+                plans[br] = BranchPlan("keep", frozenset(k for k in chosen(self.off) if k.startswith(br + ".")),
+                                       frozenset(k for k in chosen(self.made) if k.startswith(br + ".")))
+        return self.blk.name(Decision(plans["attn"], plans["mlp"], chosen(self.ins)))
 
-    def assign(option: str) -> list:
+    def assign(self, option: str) -> list:
         """The binaries' values for `option` (a start for the search)."""
+        blk = self.blk
         d = blk.decision(option)
         vals = []
         for br in BRANCHES:
             bp = d.branch(br)
-            vals.append((r[br], float(bp.mode == "recompute")))
-            vals.extend((z, float(bp.mode == "keep" and bp.budget == b)) for b, z in budgets[br].items())
+            vals.append((self.r[br], float(bp.mode == "recompute")))
+            vals.extend((z, float(bp.mode == "keep" and bp.budget == b)) for b, z in self.budgets[br].items())
             for u in blk.of("saved", br):
                 offloaded = bp.mode == "keep" and bp.budget == 1 and (ALL in bp.units or u.name in bp.units)
-                if u.name in off:
-                    vals.append((off[u.name], float(offloaded)))
-                if u.name in made:
-                    vals.append((made[u.name], float(bp.mode == "keep" and bp.budget == 1 and not offloaded
-                                                     and u.name in bp.rebuilt)))
+                if u.name in self.off:
+                    vals.append((self.off[u.name], float(offloaded)))
+                if u.name in self.made:
+                    vals.append((self.made[u.name], float(bp.mode == "keep" and bp.budget == 1 and not offloaded
+                                                          and u.name in bp.rebuilt)))
             for v in blk.of("op", br):
-                vals.append((cache[v.name], float(bp.mode == "recompute" and v.name in bp.units)))
+                vals.append((self.cache[v.name], float(bp.mode == "recompute" and v.name in bp.units)))
         keepers = {br for br in BRANCHES if d.branch(br).mode == "keep"}
-        for name, o in ins.items():
+        for name, o in self.ins.items():
             users = next(u.users for u in blk.of("input") if u.name == name)
             vals.append((o, float(name in d.offload_inputs and bool(keepers & set(users)))))
         return vals
 
-    return {"held": held + cached, "host": host, "rec": rec, "fwd_peak": peak(0), "bwd_peak": peak(1),
-            "regions": r["attn"] + r["mlp"], "extract": extract, "assign": assign}
+    def terms(self) -> dict:
+        return {"held": self.held + self.cached, "host": self.host, "rec": self.rec, "fwd_peak": self.peak(0),
+                "bwd_peak": self.peak(1), "regions": self.r["attn"] + self.r["mlp"], "extract": self.extract,
+                "assign": self.assign}
 
 
 def _build(profile: ModelProfile, menu: Menu, budget: float):

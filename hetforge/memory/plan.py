@@ -173,7 +173,7 @@ class BlockProfile:
     # A branch caching units S costs sac_all + the time of the op units not in S (the units' times
     # add up to sac - sac_all). Without these figures a branch costs just its units' time.
     # "both": {"plain": seconds} with both branches recomputed by plain checkpoints, measured as a
-    # whole: the two do not add up (on small blocks on the CPU the pair cost 0.7-0.94x the sum).
+    # whole: the two do not add up (on small blocks on the CPU the pair costs less than the sum).
     # `both_extra_s` is the difference. "block": {"hooks": seconds} is what running the block under
     # the saved-tensor hooks adds (`hooks_s`). A compiled run's profile adds per branch "eager": what
     # the kept branch adds run eager (to offload or rebuild units) over the branch compiled, the
@@ -208,10 +208,10 @@ class BlockProfile:
 
         On the CPU a copy to the host runs on the compute cores between the ops, with a cost per
         tensor (a NumPy buffer, its pages) beside the bytes, and its speed depends on the state of the
-        allocator: a 16 MiB copy timed alone (`profile.measure_link`) ran at 0.3-0.5 GB/s in a fresh
-        process and 4.4 GB/s later in the same one, so a plan offloading a block on small-12 was
-        priced 9.5% over what it measured (bench run 8). The profile instead times the block with
-        everything offloaded, which pays every byte out in the forward and back in the backward."""
+        allocator: a copy timed alone (`profile.measure_link`) runs an order of magnitude slower in a
+        fresh process than later in the same one, which priced plans that offload far from what they
+        measured. The profile instead times the block with everything offloaded, which pays every
+        byte out in the forward and back in the backward, as the model does."""
         fig = self.recompute.get("block", {})
         copy_s, moved = fig.get("copy"), self.cost("offload").host
         if copy_s is None or copy_s <= 0 or moved <= 0:

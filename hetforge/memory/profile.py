@@ -367,13 +367,35 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
     for hd in handles:
         hd.remove()
 
-    # Recomputation as it runs, overheads included: per branch the step's extra time over keep-all
-    # when a plain checkpoint recomputes it, when selective checkpointing caches nothing, and when it
-    # caches every op unit (its dispatch overhead alone). The unit shares split the difference. And
-    # both branches recomputed at once, which is not the sum of the two.
+    remade = {n: rb for n, rb in table.items() if any(u.name == n and u.rebuild_bytes > 0 for u in units)}
+    variants = _variants(set(clocks[0].bytes), remade, budget_held, device, compiled)
+    # per copy in the timing chain: its weights and gradients, and what its forward saves
+    saved = sum(u.bytes for u in units if u.kind in ("saved", "input"))
+    copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved
+    depth = timing_depth(chain, copy_bytes, free_memory_bytes(device))
+    extra, fwd_s, bwd_s = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device,
+                                      max(2 * repeats, 7), min_seconds, depth, compiled)
+    figures: dict[str, dict[str, dict[str, float]]] = {}
+    for (br, b), held in budget_held.items():
+        figures.setdefault(br, {})[budget_key(b)] = {"held": held,
+                                                     "time_s": max(0.0, extra[f"{br}/compiled@{budget_key(b)}"])}
+    recompute = _prices(extra, clocks, units, remade)
+    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth, figures)
+
+
+def _variants(op_units: set[str], remade: dict, budget_held: dict, device: torch.device,
+              compiled: bool) -> dict[str, str]:
+    """The block options the profile times beside keep-all, by what each prices.
+
+    Recomputation as it runs, overheads included: per branch the step's extra time over keep-all
+    when a plain checkpoint recomputes it, when selective checkpointing caches nothing, and when it
+    caches every op unit (its dispatch overhead alone); the unit shares split the difference. Both
+    branches recomputed at once, which is not the sum of the two. The saved-tensor hooks alone; on
+    the CPU the host copies as the model runs them; in a compiled run each kept branch eager and at
+    each compile budget; and per branch, rebuilding every unit it can (under the hooks it needs)."""
     variants = {"keep": "keep"}
     for br in BRANCHES:
-        names = frozenset(n for n in clocks[0].bytes if n.startswith(br + "."))
+        names = frozenset(n for n in op_units if n.startswith(br + "."))
         for kind, cached in (("plain", frozenset()), ("sac_all", names), ("sac", frozenset({f"{br}.-"}))):
             # "-" names no op: selective checkpointing caching nothing
             variants[f"{br}/{kind}"] = one_branch(br, BranchPlan("recompute", cached))
@@ -387,24 +409,17 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
             variants[f"{br}/eager"] = one_branch(br, BranchPlan("keep", frozenset({f"{br}.-"})))
     for br, b in budget_held:
         variants[f"{br}/compiled@{budget_key(b)}"] = one_branch(br, BranchPlan("keep", budget=b))
-    # Rebuilding: per branch, the step's extra time when the kept branch rebuilds every unit it can
-    # (under the saved-tensor hooks it needs, which keep-all runs without); the producers' op times
-    # split it.
-    remade = {n: rb for n, rb in table.items() if any(u.name == n and u.rebuild_bytes > 0 for u in units)}
     for br in BRANCHES:
         names = frozenset(n for n in remade if n.startswith(br + "."))
         if names:
             variants[f"{br}/rebuild"] = one_branch(br, BranchPlan("keep", frozenset(), names))
-    # per copy in the timing chain: its weights and gradients, and what its forward saves
-    saved = sum(u.bytes for u in units if u.kind in ("saved", "input"))
-    copy_bytes = 2 * sum(tensor_bytes(p) for p in block.parameters()) + saved
-    depth = timing_depth(chain, copy_bytes, free_memory_bytes(device))
-    extra, fwd_s, bwd_s = _step_times(block, variants, params, cfg, x0, grad, cos, sin, ac, device,
-                                      max(2 * repeats, 7), min_seconds, depth, compiled)
-    figures: dict[str, dict[str, dict[str, float]]] = {}
-    for (br, b), held in budget_held.items():
-        figures.setdefault(br, {})[budget_key(b)] = {"held": held,
-                                                     "time_s": max(0.0, extra[f"{br}/compiled@{budget_key(b)}"])}
+    return variants
+
+
+def _prices(extra: dict[str, float], clocks: list, units: list[Unit], remade: dict) -> dict[str, dict[str, float]]:
+    """The recomputation figures from the timed variants' extra times (`BlockProfile.recompute`);
+    appends each op unit to `units`, its time a share of its branch's price by its clocked ops, and
+    prices each rebuildable unit by its producer's share of its branch's rebuilding."""
     hooks = max(0.0, extra["hooks"])
     recompute: dict[str, dict[str, float]] = {"block": {"hooks": hooks}}
     for br in BRANCHES:
@@ -433,8 +448,7 @@ def profile_block(cfg: GPTNeoXConfig, micro_batch: int, seq: int, precision: str
             if u.name in weights:
                 share = weights[u.name] / total if total > 0 else 1.0 / len(names)
                 units[k] = replace(u, time_s=price * share, rebuild_from=remade[u.name].source)
-
-    return BlockProfile(fwd_s, bwd_s, float(a), units, peaks, tensors, recompute, depth, figures)
+    return recompute
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -463,11 +477,9 @@ def timing_depth(n_layers: int, copy_bytes: float, free_bytes: float) -> int:
     each). A block timed alone finds its weights and what its forward saved still in the cache
     when its backward reads them; inside the model the other blocks have passed through the cache
     in between, so keeping costs more there and recomputing (which makes its activations afresh)
-    relatively less. Measured on the CPU on small-12 of `bench/memory_plans.py` (the README has
-    the figures): a block's forward and backward took 9.3 ms alone, 10.3 ms as one block run 12
-    times in a row and 10.6 ms as 12 copies in a row, against 11.0 ms in the 12-block model;
-    recomputing a block cost 4.3 ms over keeping it alone, against 2.9 ms in the model. Profiling
-    time grows with the depth (a GPU block takes milliseconds; profiles are cached)."""
+    relatively less: copies in a row come closest to the block's times in the model, and the
+    price of recomputing it (`bench/memory_plans.py` checks the profile against the model).
+    Profiling time grows with the depth (a GPU block takes milliseconds; profiles are cached)."""
     if n_layers <= 1 or copy_bytes <= 0:
         return max(n_layers, 1)
     return int(max(1, min(n_layers, free_bytes // 4 // copy_bytes)))
@@ -557,15 +569,14 @@ def sandwiched(run: Callable[[str], float], options: list[str], base: str, more:
     same option.
 
     Neighbours, because a drift linear over those runs cancels out of the difference: on a shared
-    CPU the step time wanders by 10-30% over tens of seconds (neighbouring steps correlate at
-    0.6-0.75, steps ten apart at 0.35-0.5), so an option priced against one run of `base` per
+    CPU the step time wanders by tens of percent over tens of seconds, and neighbouring steps
+    correlate far better than distant ones, so an option priced against one run of `base` per
     round, up to ten runs away, carried that wander into prices of a few percent of a step.
     Warmed up, because a step that follows a different option is not the step a run repeats: on
     the CPU, a recomputing step right after a keep step finds the heap that keep's larger
-    activations left, and cost 1.4 / 3.7 ms a block over keep-all for the MLP / attention in the
-    model, against 2.8 / 4.9 ms after a step of its own (`bench/memory_plans.py`'s tiny, 50
-    interleaved rounds). The options' order is shuffled per round (seeded), so none always follows
-    the same one. Rounds go on while `more(round)`; `run(option)` times one run."""
+    activations left, and costs about half what it does after a step of its own. The options'
+    order is shuffled per round (seeded), so none always follows the same one. Rounds go on while
+    `more(round)`; `run(option)` times one run."""
     order = list(options)
     extras: dict[str, list[float]] = {k: [] for k in order}
 

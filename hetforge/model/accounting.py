@@ -82,9 +82,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 # FSDP gathers, and reduce-scatters, a unit at a time: consecutive blocks are grouped into units of
 # at least this many parameters. Every collective has a fixed cost (a launch, a rendezvous of the
-# ranks, copies in and out), so a small model's blocks cost far more as separate units (measured on
-# gloo: 4 blocks of 0.2M parameters as one unit, 25% less step time); a block of 4M parameters or
-# more (every preset from 125m up) is a unit of its own, as in torchtitan.
+# ranks, copies in and out), so a small model's blocks cost far more as separate units; a block of
+# 4M parameters or more (every preset from 125m up) is a unit of its own, as in torchtitan.
 MIN_UNIT_PARAMS = 1 << 22
 
 

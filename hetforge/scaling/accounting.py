@@ -107,7 +107,8 @@ def run_report(run_dir: str | Path) -> dict:
         "power_w": powers,
         "power_source": sorted({r["power_source"] for r in ranks}),
         "energy_j": energy,
-        "final_train_loss": train[-1]["loss"],
+        "final_train_loss": train[-1]["loss"],  # the mean over the last logging interval, as printed then
+        "final_train_loss_steps": [train[-2]["step"] + 1 if len(train) > 1 else 1, train[-1]["step"]],
         "final_val_loss": val[-1]["loss"] if val else None,
         "loss_curve": str(run_dir / "loss_curve.png"),
     }
@@ -133,7 +134,8 @@ def report_table(rep: dict):
                             f"{'; '.join(rep['power_source'])})")
     else:
         t.add_row("energy", f"no estimate: {'; '.join(rep['power_source'])}")
-    t.add_row("final train loss", f"{rep['final_train_loss']:.4f}")
+    first, last = rep["final_train_loss_steps"]
+    t.add_row("final train loss", f"{rep['final_train_loss']:.4f} (mean over steps {first}-{last})")
     if rep["final_val_loss"] is not None:
         t.add_row("final val loss", f"{rep['final_val_loss']:.4f}")
     t.add_row("loss curve", rep["loss_curve"])

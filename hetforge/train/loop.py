@@ -93,6 +93,7 @@ class TrainState:
     losses: dict[int, float] = field(default_factory=dict)
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # on the device
     rank_times: list[float] = field(default_factory=list)
+    final_loss: tuple[int, int, float] | None = None  # the last logging interval's steps and mean loss
     rate: dict[str, float] = field(default_factory=lambda: {"tokens_per_s": 0.0, "tflops": 0.0, "mfu": 0.0})
 
 
@@ -416,6 +417,7 @@ class Trainer:
         st.rate = {"tokens_per_s": tok_s, "tflops": acc.flops_per_token * tok_s / 1e12,
                    "mfu": acc.flops_per_token * tok_s / acc.peak}
         mean_loss = sum(lv for _, lv, _ in synced) / len(synced)
+        st.final_loss = (synced[0][0], synced[-1][0], mean_loss)
         lr = lr_at(st.step - 1, tc)
         if self.ctx.is_main:
             record = {"loss": mean_loss, "lr": lr, "grad_norm": synced[-1][2], **st.rate,
@@ -514,5 +516,6 @@ class Trainer:
             extra={"plot": str(plot), "metrics": str(self.run_dir / "metrics.jsonl"), "params": self.acc.params,
                    "flops_per_token": self.acc.flops_per_token, "signal": signum, "rank": ctx.rank,
                    "world_size": ctx.world_size, "plan": self.plan.to_dict(), "report": str(report) if report else None,
+                   "final_loss": st.final_loss,
                    "peak_source": self.acc.peak_source},
         )

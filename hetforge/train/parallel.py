@@ -1,10 +1,13 @@
-"""Data parallelism applied to a plain model from outside (torchtitan's `parallelize`): the training
-loop calls one function and steps whatever it returns.
+"""Data parallelism applied to a plain model from outside (torchtitan's `parallelize`), as the run's
+plan says: the training loop calls one function and steps whatever it returns.
 
-Today: DistributedDataParallel with gradients as views of its buckets (one copy of them, not two)
-and a communication hook that notes when each bucket is ready, i.e. when this rank's own backward
-compute ended, before any waiting for slower ranks (the balancer needs each rank's own speed; on a
-GPU the note is a CUDA event, see `ComputeTimer`). One process: the model itself.
+Replicated (ddp, and zero1 with `ZeroRedundancyOptimizer` from `train.optim`): DistributedDataParallel
+with gradients as views of its buckets (one copy of them, not two) and a communication hook that
+notes when each bucket is ready, i.e. when this rank's own backward compute ended, before any waiting
+for slower ranks (the balancer needs each rank's own speed; on a GPU the note is a CUDA event, see
+`ComputeTimer`). Sharded (zero2, fsdp): FSDP2's `fully_shard` per unit of blocks, applied on the meta
+device before the weights exist (`shard_model`, `init_sharded`), with HSDP over a 2-D mesh
+(`device_mesh`). One process: the model itself. Regional compilation of the blocks is here too.
 """
 
 from __future__ import annotations
