@@ -73,8 +73,8 @@ def main() -> None:
     ]
     for r in rows:
         if not r["fits"]:
-            lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | - | does not fit: "
-                         f"{r['why'].replace('|', '/')} | - | - | - |")
+            lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | - | does not fit "
+                         f"({r['why'].split(':')[0]}) | - | - | - |")
             continue
         strategy = r["strategy"] + (" + optimizer on the host" if r["optimizer_offload"] else "")
         lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | {r['precision']} | {strategy} | "
@@ -84,7 +84,9 @@ def main() -> None:
     out = ROOT / "docs" / "sharded_clusters.md"
     out.write_text("\n".join(lines))
     print("\n".join(lines))
-    record({"bench": "cluster_table", "rows": rows})
+    record({"bench": "cluster_table", "out": "docs/sharded_clusters.md", "rows": len(rows),
+            "fit": sum(r["fits"] for r in rows),
+            **{f"{r['cluster']} {r['preset']} tokens_per_s": round(r["tokens_per_s"]) for r in rows if r["fits"]}})
 
 
 if __name__ == "__main__":

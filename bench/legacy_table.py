@@ -82,7 +82,7 @@ def main() -> None:
         f"{BANDWIDTH_EFFICIENCY:.0%} of its memory bandwidth), the usable memory 95% of the card's",
         "less 0.75 GiB (CUDA context, workspaces), AdamW (8 bytes a parameter of state). The plan is hetforge's",
         "MILP at per-tensor granularity; the optimizer's state goes to the host only where nothing fits",
-        "otherwise. `hetforge plan CONFIG --card NAME --micro-batch N` prints the full plan for one cell, and",
+        "otherwise. `hetforge plan CONFIG --card NAME --micro-batch N --budget auto` prints one cell's full plan, and",
         "`bench/gpu_check.sh` checks the model against a measured profile when a GPU is lent.",
         "",
         "Attention: `flash` and `mem-efficient` keep O(sequence) per head; `math` (no kernel for that card,",
@@ -120,7 +120,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    record({"bench": "legacy_table", "rows": len(rows), "out": str(out),
+    record({"bench": "legacy_table", "rows": len(rows), "out": str(out.relative_to(ROOT) if out.is_relative_to(ROOT) else out),
             "fits_at_1": sum(1 for r in rows if 1 in r["fits"])})
 
 

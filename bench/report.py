@@ -24,7 +24,9 @@ def _value(v) -> str:
 
 
 def _scripts() -> list[str]:
-    return sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem not in ("record", "report"))
+    """The benches: the scripts that keep their figures (`record`)."""
+    return sorted(p.stem for p in (ROOT / "bench").glob("*.py")
+                  if p.stem != "record" and "record(" in p.read_text())
 
 
 def page() -> str:

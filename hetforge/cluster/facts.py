@@ -23,6 +23,7 @@ from hetforge.cluster.probe import proxy_model, time_all_gathers, time_steps
 from hetforge.cluster.run_plan import Link, RankFacts, RankView
 from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
 from hetforge.config import ConfigError, DeviceSpec, NodeSpec, RunConfig
+from hetforge.core.console import console
 from hetforge.core.errors import HetforgeError
 from hetforge.core.hardware import DEVICES, Capability, DeviceInfo, detect, lookup
 from hetforge.core.precision import Precision
@@ -57,7 +58,7 @@ class LocalView:
         mem, tc = self.cfg.memory, self.cfg.train
         link = mem.link_gbps * 1e9 if mem.link_gbps else None
         return profile_model(self.shape, micro_batch, tc.seq_len, precision, self.device, link, tc.optimizer,
-                             profile_cache(), compiled=compiled)
+                             profile_cache(), compiled=compiled, note=console.print if self.facts.rank == 0 else None)
 
     def step_times(self, sizes: list[int], precision: str, layout: ShardLayout, plans: dict[int, Plan],
                    head_dim: int) -> dict[int, float]:

@@ -665,13 +665,15 @@ def profile_model(
     min_seconds: float | None = None,
     chain: int | None = None,
     compiled: bool = False,
+    note: Callable[[str], None] | None = None,
 ) -> ModelProfile:
     """The profile the planner needs; cached as JSON under `cache_dir` when given. `fp32_matmul`
     runs 16-bit matmuls in fp32 (`Fp32Matmul`): bytes as measured, times not those of the device.
     The block's times are measured over at least `min_seconds` (default 0.4 s per repeat) with up
     to `chain` copies of it in a row (default the model's depth; `timing_depth`; a profile whose
     times are not used takes 1), the head's over a quarter of that. `compiled`: for a run that
-    compiles its blocks (`profile_block`)."""
+    compiles its blocks (`profile_block`). `note` is told when a profile is measured, not read from
+    the cache (it may take minutes on a CPU)."""
     if min_seconds is None:
         min_seconds = 0.4 * repeats
     device = torch.device(device)
@@ -682,6 +684,9 @@ def profile_model(
         path = Path(cache_dir) / f"profile-{key}.json"
         if path.exists():
             return ModelProfile.from_dict(json.loads(path.read_text()))
+    if note is not None:
+        note(f"profiling one block of d={cfg.d_model} at micro-batch {micro_batch} x {seq} tokens, {precision} on "
+             f"{device}{' (compiled)' if compiled else ''}: once, then cached" + (f" in {cache_dir}" if cache_dir else ""))
     link_source = "configured" if link_bytes_per_s is not None else "on one copy"
     if link_bytes_per_s is None and device.type == "cuda":
         link_bytes_per_s = measure_link(device)
