@@ -81,6 +81,21 @@ def _run_commands(sub) -> None:
     p = sub.add_parser("balance", help="measure the ranks and split the global batch (run under torchrun)")
     _add_config(p)
 
+    p = sub.add_parser("launch", help="the commands that start a run on each node of its cluster file (torchrun, "
+                                      "Slurm); --run starts this node's")
+    _add_config(p)
+    p.add_argument("--port", type=_number(int, 1, True), default=29500, help="the rendezvous port (default 29500)")
+    p.add_argument("--max-restarts", type=NONNEG, default=3, help="torchrun restarts after a failure (default 3)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every node's environment, e.g. NCCL_DEBUG=WARN (repeatable)")
+    p.add_argument("--ifname", default=None, metavar="IF",
+                   help="the network interface for gloo and NCCL (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME)")
+    p.add_argument("--sbatch", default=None, metavar="FILE", help="also write a Slurm batch script to FILE")
+    p.add_argument("--json", action="store_true", help="print the per-node commands as JSON")
+    p.add_argument("--run", action="store_true", help="start this node's part (the node named by --node, "
+                                                     "HETFORGE_NODE, or this host)")
+    p.add_argument("--node", default=None, help="with --run: the cluster file's node this is (index or host)")
+
     p = sub.add_parser("plan", help="what a run decides (strategy, shares, activation plans, step time), before it runs")
     _add_config(p)
     p.add_argument("--budget", default=None, help="device memory budget, e.g. 10GiB (default: memory.budget)")
@@ -251,6 +266,64 @@ def cmd_balance(args) -> int:
     if result.extra["world_size"] == 1 and result.extra["rank"] == 0:
         print("one process: the whole global batch runs here; launch with torchrun to balance ranks")
     return 0
+
+
+def cmd_launch(args) -> int:
+    """Per node of the run's cluster file, the torchrun that starts its ranks (and a Slurm script);
+    with --run, this node's, executed here."""
+    import os
+    import socket
+    import sys
+
+    from hetforge.cluster.launch import LaunchOptions, node_commands, sbatch_script
+    from hetforge.cluster.spec import NODE_ENV, named_node, same_host, cluster_nodes
+    from hetforge.config import load_config
+    from hetforge.core.console import console
+
+    cfg = load_config(args.config, args.overrides)
+    nodes = cluster_nodes(cfg.cluster)
+    if not nodes:
+        raise ConfigError(f"{args.config} describes no cluster: set cluster.file (or cluster.nodes) to launch it on "
+                          f"several nodes; one process needs no launcher (hetforge train {args.config})")
+    env = dict(_key_value(e, "--env") for e in args.env)
+    if args.ifname:
+        env.update(GLOO_SOCKET_IFNAME=args.ifname, NCCL_SOCKET_IFNAME=args.ifname)
+    train_args = ["train", args.config, *(a for o in args.overrides for a in ("--set", o))]
+    opts = LaunchOptions(args.port, args.max_restarts, env, cfg.cluster.rendezvous_timeout_s, f"hetforge-{cfg.name}")
+    where = cfg.cluster.file or "cluster.nodes"
+    if args.run:
+        name = args.node or os.environ.get(NODE_ENV)
+        if name is not None:
+            mine = named_node(nodes, name, where)
+        else:
+            hosts = [i for i, n in enumerate(nodes) if same_host(n.host, socket.gethostname())]
+            if len(hosts) != 1:
+                raise ConfigError(f"launch --run: this host ({socket.gethostname()}) is {len(hosts)} node(s) of "
+                                  f"{where}; say which with --node INDEX")
+            mine = hosts[0]
+        cmd = node_commands(nodes, train_args, LaunchOptions(**{**opts.__dict__, "torchrun": [
+            sys.executable, "-m", "torch.distributed.run"]}))[mine]
+        console.print(f"node {mine} ({nodes[mine].host}): {cmd.shell()}")
+        os.execvpe(cmd.argv[0], cmd.argv, {**os.environ, **cmd.env})
+    commands = node_commands(nodes, train_args, opts)
+    if args.sbatch:
+        Path(args.sbatch).write_text(sbatch_script(nodes, train_args, opts))
+    if args.json:
+        print(json.dumps([{"node": c.node, "host": c.host, "env": c.env, "argv": c.argv} for c in commands]))
+        return 0
+    for c in commands:
+        print(f"# node {c.node} ({c.host}): {c.devices} rank(s)")
+        print(c.shell())
+    if args.sbatch:
+        print(f"# Slurm: sbatch {args.sbatch}")
+    return 0
+
+
+def _key_value(text: str, flag: str) -> tuple[str, str]:
+    if "=" not in text or not text.split("=", 1)[0]:
+        raise ConfigError(f"{flag} expects KEY=VALUE (got {text!r})")
+    k, v = text.split("=", 1)
+    return k, v
 
 
 def cmd_plan(args) -> int:
@@ -729,7 +802,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "plan": cmd_plan, "size": cmd_size, "report": cmd_report,
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "launch": cmd_launch, "plan": cmd_plan,
+            "size": cmd_size, "report": cmd_report,
             "scale": cmd_scale, "export": cmd_export, "heads": cmd_heads,
             "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}
 

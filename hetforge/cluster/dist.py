@@ -20,10 +20,13 @@ from __future__ import annotations
 import gc
 import os
 import re
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,11 @@ from hetforge.core.process import env_int, launch_world_size
 
 class ClusterError(HetforgeError, RuntimeError):
     pass
+
+
+# A peer whose heartbeat stood still this long is reported lost (or the collective timeout, if shorter).
+PEER_SILENCE_S = 6.0
+_reported = threading.Event()  # one line per process, whichever of the main thread and the watchdog is first
 
 
 @dataclass
@@ -84,8 +92,11 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
     port = env_int("MASTER_PORT")
     if not addr or port is None:
         raise ClusterError(f"rank {rank} of {world}: set MASTER_ADDR and MASTER_PORT (or launch with torchrun)")
+    hosting = rank == 0 and not agent_store
+    if not hosting:
+        _reach(addr, port, rendezvous_timeout_s, rank, world)
     try:
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
+        store = dist.TCPStore(addr, port, world, is_master=hosting,
                               timeout=timedelta(seconds=rendezvous_timeout_s), wait_for_workers=not agent_store)
     except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError are RuntimeErrors
         raise ClusterError(
@@ -100,20 +111,42 @@ def init_distributed(device_type: str, rendezvous_timeout_s: float, collective_t
     if backend == "nccl":
         ctx.host_group = dist.new_group(backend="gloo", timeout=timeout)
     ctx.store.set(f"host/{rank}", ctx.host)
-    ctx.heartbeat = Heartbeat(addr, port, prefix, rank)
+    ctx.heartbeat = Heartbeat(addr, port, prefix, rank, world, min(PEER_SILENCE_S, collective_timeout_s))
     return ctx
 
 
+def _reach(addr: str, port: int, timeout_s: float, rank: int, world: int) -> None:
+    """Wait, quietly, until the rendezvous answers, for at most `timeout_s`: torch's store client
+    retries for longer than its timeout and prints C++ stack frames for every failed try."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.2, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"rank {rank} of {world} could not reach the rendezvous at {addr}:{port} within {timeout_s:g}s "
+                    f"({err.__class__.__name__}); check MASTER_ADDR/MASTER_PORT, that rank 0 is running, and "
+                    f"firewalls") from None
+            time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+
+
 class Heartbeat(threading.Thread):
-    """Counts up `beat/RANK` in the store once a second, over a connection of its own. A stopped,
-    killed or cut-off rank stops counting; a busy one does not (the thread runs whenever the main
-    thread waits in C++ or yields the GIL)."""
+    """Counts up `beat/RANK` in the store once a second, over a connection of its own, and watches
+    everyone else's. A stopped, killed or cut-off rank stops counting; a busy one does not (the
+    thread runs whenever the main thread waits in C++ or yields the GIL). A peer silent for
+    `silence_s` (one that has not said it is done), or the store gone, is reported by `on_lost`
+    from this thread: the main thread may be blocked in a collective that would wait much longer
+    for the lost rank, and a signal's Python handler would not run before it returns."""
 
     INTERVAL_S = 1.0
 
-    def __init__(self, addr: str, port: int, prefix: str, rank: int):
+    def __init__(self, addr: str, port: int, prefix: str, rank: int, world: int, silence_s: float):
         super().__init__(name="hetforge-heartbeat", daemon=True)
+        self.rank, self.world, self.silence_s = rank, world, silence_s
         self.key = f"beat/{rank}"
+        self.on_lost: Callable[[list[int] | None], None] | None = None
         self._stop_event = threading.Event()
         self.store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
                                                             timeout=timedelta(seconds=30)))
@@ -121,14 +154,34 @@ class Heartbeat(threading.Thread):
         self.start()
 
     def run(self) -> None:
+        keys = [f"beat/{r}" for r in range(self.world)]
+        seen = {r: (None, time.monotonic()) for r in range(self.world)}
         while not self._stop_event.wait(self.INTERVAL_S):
             try:
                 self.store.add(self.key, 1)
-            except Exception:  # the store's host is gone: the main thread finds out and says so
+                beats = [int(self.store.add(k, 0)) for k in keys]
+                now = time.monotonic()
+                silent = []
+                for r, b in enumerate(beats):
+                    if b != seen[r][0]:
+                        seen[r] = (b, now)
+                    elif b and r != self.rank and now - seen[r][1] > self.silence_s:  # (0: not started yet)
+                        silent.append(r)
+                if silent:
+                    silent = [r for r in silent if not self.store.check([f"done/{r}"])]
+            except Exception:  # the store's host is gone (rank 0's, where no launcher hosts it)
+                silent = None
+            if silent != [] and not self._stop_event.is_set() and self.on_lost is not None:
+                self.on_lost(silent)
                 return
 
     def stop(self) -> None:
+        """This rank is done (it leaves; nobody is to report it), and the beats end."""
         self._stop_event.set()
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:
+            pass
 
 
 def _beats(store, world: int) -> list[int | None]:
@@ -176,20 +229,22 @@ def post_error(ctx: DistContext, message: str) -> None:
             pass
 
 
-def _posted_errors(ctx: DistContext) -> dict[int, str]:
+def _posted_errors(ctx: DistContext, store=None) -> dict[int, str]:
+    store = store or ctx.store
     found = {}
     for r in range(ctx.world_size):
         try:
-            if r != ctx.rank and ctx.store.check([f"error/{r}"]):
-                found[r] = ctx.store.get(f"error/{r}").decode()
+            if r != ctx.rank and store.check([f"error/{r}"]):
+                found[r] = store.get(f"error/{r}").decode()
         except Exception:
             pass
     return found
 
 
-def _host_of(ctx: DistContext, r: int) -> str:
+def _host_of(ctx: DistContext, r: int, store=None) -> str:
+    store = store or ctx.store
     try:
-        return ctx.store.get(f"host/{r}").decode() if ctx.store.check([f"host/{r}"]) else "?"
+        return store.get(f"host/{r}").decode() if store.check([f"host/{r}"]) else "?"
     except Exception:
         return "?"
 
@@ -197,6 +252,7 @@ def _host_of(ctx: DistContext, r: int) -> str:
 def peer_failure(ctx: DistContext, err: BaseException, step: int, resume_hint: str) -> ClusterError:
     """What to tell the user when a collective failed: which rank (and host) was lost or went
     silent, at which step, and how to go on; one line."""
+    _reported.set()  # the heartbeat's watchdog leaves this one to the main thread
     timed_out = bool(re.search(r"timed out|timeout", str(err), re.IGNORECASE))
     me = f"rank {ctx.rank} ({ctx.host})"
     posted = _posted_errors(ctx)
@@ -215,6 +271,36 @@ def peer_failure(ctx: DistContext, err: BaseException, step: int, resume_hint: s
                 f"{ctx.timeout_s:g}s (cluster.collective_timeout_s) though every rank is alive" if timed_out
                 else f"a peer closed its connection ({' '.join(str(err).split())[:120]})")
     return ClusterError(f"{me}: {what} at step {step}; {resume_hint}")
+
+
+def watch_peers(ctx: DistContext, where: Callable[[], tuple[int, str]]) -> None:
+    """Let the heartbeat report a lost peer itself: one line, as `peer_failure` words it, then this
+    process exits (status 2) so that the launcher can restart the job. `where()`: the step now and
+    how to resume."""
+    hb = ctx.heartbeat
+    if hb is None:
+        return
+
+    def lost(silent: list[int] | None) -> None:
+        if _reported.is_set():
+            return
+        _reported.set()
+        step, hint = where()
+        me = f"rank {ctx.rank} ({ctx.host})"
+        posted = _posted_errors(ctx, hb.store) if silent is not None else {}
+        if posted:
+            r, msg = min(posted.items())
+            line = f"{me}: rank {r} ({_host_of(ctx, r, hb.store)}) stopped at step {step} with: {msg}"
+        elif silent is None:
+            line = f"{me}: lost the rendezvous store at step {step} (rank 0's node is gone); {hint}"
+        else:
+            names = ", ".join(f"rank {r} ({_host_of(ctx, r, hb.store)})" for r in silent)
+            why = " (cluster.collective_timeout_s)" if hb.silence_s >= ctx.timeout_s else ""
+            line = f"{me}: {names} stopped answering for {hb.silence_s:g}s{why} at step {step}; {hint}"
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    hb.on_lost = lost
 
 
 def wait_for_main(ctx: DistContext, key: str, what: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -233,3 +234,121 @@ class _Mark(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.fn()
         return None, grad
+
+
+# --- which declared node each launched rank runs on ---------------------------------------------
+NODE_ENV = "HETFORGE_NODE"  # names the cluster file's node a launcher's ranks run on: its host, or its index
+
+
+def rank_identity(ctx: DistContext, device: torch.device) -> dict:
+    """What a launched rank is, to match it to a declared node: its host, the node it is told it
+    runs on (`HETFORGE_NODE`), the launcher's node rank, its local rank and the device it has."""
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return {"rank": ctx.rank, "host": ctx.host, "node": os.environ.get(NODE_ENV) or None, "launch_node": ctx.node_rank,
+            "local_rank": ctx.local_rank, "device": device_name(None, device), "memory": memory}
+
+
+def same_host(declared: str, actual: str) -> bool:
+    """Whether a declared host is this one: by name, short or full; `localhost` is any host (a
+    cluster file standing for nodes on one machine)."""
+    a, b = declared.strip().lower(), actual.strip().lower()
+    return a in ("localhost", "127.0.0.1") or a == b or a.split(".")[0] == b.split(".")[0]
+
+
+def named_node(nodes: list[NodeSpec], name: str, where: str) -> int:
+    """The node `HETFORGE_NODE` names: by index, or by host."""
+    if name.isdigit() and int(name) < len(nodes):
+        return int(name)
+    found = [i for i, n in enumerate(nodes) if same_host(n.host, name)]
+    if len(found) != 1:
+        known = ", ".join(f"{i}: {n.host}" for i, n in enumerate(nodes))
+        what = "names no node" if not found else "names several nodes (name one by its index)"
+        raise ConfigError(f"{NODE_ENV}={name} {what} of {where} (nodes {known})")
+    return found[0]
+
+
+def _node_of(nodes: list[NodeSpec], group: list[dict], taken: set[int], where: str) -> int:
+    """The declared node a launched node (its ranks) runs on: the one it is told, else the one its
+    host is; where several nodes share that host (one machine standing for many), the launcher's
+    node rank among them."""
+    first = group[0]
+    if first["node"] is not None:
+        return named_node(nodes, first["node"], where)
+    hosts = [i for i, n in enumerate(nodes) if same_host(n.host, first["host"])]
+    free = [i for i in hosts if i not in taken]
+    if len(free) == 1:
+        return free[0]
+    if first["launch_node"] in free:
+        return first["launch_node"]
+    known = ", ".join(f"{i}: {n.host}" for i, n in enumerate(nodes))
+    if not hosts:
+        raise ConfigError(f"ranks {_ranks(group)} run on host {first['host']}, which is no node of {where} (nodes "
+                          f"{known}); fix the node's host, or set {NODE_ENV} to the node they run on")
+    raise ConfigError(f"ranks {_ranks(group)} on host {first['host']}: {len(hosts)} nodes of {where} are on that host "
+                      f"({known}); set {NODE_ENV} to the node each launcher runs (its index)")
+
+
+def _ranks(group: list[dict]) -> str:
+    ids = [g["rank"] for g in group]
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
+
+
+def match_nodes(nodes: list[NodeSpec], identities: list[dict], where: str) -> list[int]:
+    """The declared node of every launched rank (in rank order), by identity, not by launch order:
+    ranks are grouped by the node they are told (`HETFORGE_NODE`) or else their host, each group
+    matched to one declared node, which must declare as many devices as the group has ranks, each
+    of the card the rank has (a GPU's name and memory). Any mismatch is one line naming both sides."""
+    groups: dict[tuple, list[dict]] = {}  # a launcher's ranks: one launched node
+    for ident in sorted(identities, key=lambda i: i["rank"]):
+        key = (ident["node"],) if ident["node"] else (ident["host"].lower().split(".")[0], ident["launch_node"])
+        groups.setdefault(key, []).append(ident)
+    taken: dict[int, list[dict]] = {}
+    for group in groups.values():
+        i = _node_of(nodes, group, set(taken), where)
+        if i in taken:
+            raise ConfigError(f"ranks {_ranks(taken[i])} and {_ranks(group)} (hosts {taken[i][0]['host']}, "
+                              f"{group[0]['host']}) both run as node {i} ({nodes[i].host}) of {where}; set "
+                              f"{NODE_ENV} per launcher")
+        taken[i] = group
+    short = [f"node {i} ({nodes[i].host}) declares {_count(nodes[i])} device(s) but {len(g)} rank(s) run there "
+             f"(ranks {_ranks(g)} on host {g[0]['host']})" for i, g in sorted(taken.items()) if len(g) != _count(nodes[i])]
+    if short:
+        raise ConfigError(f"{where}: {'; '.join(short)}; check --nproc-per-node and which node runs where")
+    out = [0] * len(identities)
+    for i, group in taken.items():
+        declared = [d for d in nodes[i].devices for _ in range(d.count)]
+        for ident in group:
+            _check_device(declared[ident["local_rank"] % len(declared)], ident, i, nodes[i], where)
+            out[ident["rank"]] = i
+    return out
+
+
+def _count(node: NodeSpec) -> int:
+    return sum(d.count for d in node.devices)
+
+
+def _check_device(spec: DeviceSpec, ident: dict, index: int, node: NodeSpec, where: str) -> None:
+    """A GPU rank's card against its declared one (a CPU rank runs wherever a CPU is declared)."""
+    from hetforge.core.hardware import lookup
+
+    has = ident["device"]
+    if ident["memory"] is None:
+        if spec.type.strip().lower() != "cpu":
+            raise ConfigError(f"rank {ident['rank']} on host {ident['host']} has no GPU but {where} declares "
+                              f"{spec.type} for node {index} ({node.host}), local rank {ident['local_rank']}")
+        return
+    declared, actual = lookup(spec.type, spec.memory_gb), lookup(has, ident["memory"] / 2**30)
+    if declared is None or actual is None or declared.name.split("-")[0] != actual.name.split("-")[0]:
+        raise ConfigError(f"rank {ident['rank']} on host {ident['host']} has a {has} but {where} declares "
+                          f"{spec.type} for node {index} ({node.host}), local rank {ident['local_rank']}")
+
+
+def assign_nodes(cfg: ClusterConfig, ctx: DistContext, device: torch.device) -> None:
+    """Every rank's declared node, by identity (`match_nodes`), into `ctx.node_rank` (the launcher's
+    node rank follows join order under a c10d rendezvous, not the file)."""
+    from hetforge.cluster.dist import all_gather_object
+
+    nodes = cluster_nodes(cfg)
+    identities = all_gather_object(ctx, rank_identity(ctx, device))
+    if nodes:
+        ctx.node_rank = match_nodes(nodes, identities, cfg.file or "cluster.nodes")[ctx.rank]

@@ -117,6 +117,31 @@ def _writer_is_gone(path: Path, host: str, pid: int) -> bool:
     return host == socket.gethostname() and (pid == os.getpid() or not _alive(pid))
 
 
+_ANY_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<host>[^/]+)-(?P<pid>\d+)$")
+
+
+def temp_dir(final: Path) -> tuple[Path, int | None]:
+    """A fresh temporary directory beside `final` (`.NAME.tmp-HOST-PID`) and the lock its writer
+    holds on it until it is renamed into place or the writer dies (`remove_dead_temps`)."""
+    tmp = Path(final).parent / f".{Path(final).name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp, _lock_dir(tmp, blocking=True)
+
+
+def remove_dead_temps(parent: str | Path, name: str | None = None) -> list[Path]:
+    """Remove the temporary directories of `name` (any name: None), as `temp_dir` makes them, under
+    `parent` whose writer is gone, from any host and PID; one a live process is writing stays."""
+    parent = Path(parent)
+    removed = []
+    for p in sorted(parent.glob(f".{name or '*'}.tmp-*")) if parent.is_dir() else []:
+        m = _ANY_TEMP.match(p.name)
+        if m and m["name"] == (name or m["name"]) and p.is_dir() and _writer_is_gone(p, m["host"], int(m["pid"])):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 def remove_stale_temps(root: str | Path) -> list[Path]:
     """Remove the temporary directories of writers that died mid-write, from any host and PID; one
     a live process is writing stays (its writer holds a lock on it). Returns what was removed."""

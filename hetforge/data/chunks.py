@@ -253,8 +253,11 @@ def _iter_jsonl_stream(piece: Piece, text_field: str, report: CorpusReport) -> I
         while piece.stop < 0 or pos < piece.stop:
             try:
                 line = f.readline()
-            except (OSError, EOFError) as err:  # a truncated .gz / .zst
-                report.skip_file(Path(piece.path), f"truncated or corrupt ({err.__class__.__name__})")
+            except (OSError, EOFError) as err:  # a truncated .gz / .zst: what was read before the cut stays
+                if lineno:
+                    report.truncated_file(Path(piece.path))
+                else:
+                    report.skip_file(Path(piece.path), f"truncated or corrupt ({err.__class__.__name__})")
                 return
             if not line:
                 break

@@ -54,12 +54,20 @@ class CorpusReport:
     files_transcoded: Counter = field(default_factory=Counter)  # encoding read from a BOM -> files
     nul_bytes_removed: int = 0  # NUL bytes inside otherwise text files (past the binary sniff)
     files_with_nul: int = 0
+    # compressed files cut short (a partial download): their complete lines before the cut are kept
+    files_truncated: int = 0
+    truncated_examples: list[str] = field(default_factory=list)
 
     def skip_file(self, path: Path, reason: str) -> None:
         self.files_skipped[reason] += 1
         self.skipped_examples.setdefault(reason, [])
         if len(self.skipped_examples[reason]) < 5:
             self.skipped_examples[reason].append(str(path))
+
+    def truncated_file(self, path: Path) -> None:
+        self.files_truncated += 1
+        if len(self.truncated_examples) < 5:
+            self.truncated_examples.append(str(path))
 
     def to_dict(self) -> dict:
         return {
@@ -73,6 +81,8 @@ class CorpusReport:
             "files_transcoded": dict(self.files_transcoded),
             "nul_bytes_removed": self.nul_bytes_removed,
             "files_with_nul": self.files_with_nul,
+            "files_truncated": self.files_truncated,
+            "truncated_examples": self.truncated_examples,
         }
 
 

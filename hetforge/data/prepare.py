@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
+from hetforge.core.checkpoint_io import remove_dead_temps, temp_dir
 from hetforge.core.console import console, make_progress, warn
 from hetforge.core.errors import HetforgeError
 from hetforge.core.sizes import format_bytes, parse_size
@@ -106,10 +107,13 @@ def _is_complete(out_dir: Path, key: str) -> dict | None:
     return meta
 
 
+_LOCKS: dict[Path, int | None] = {}  # temporary directory -> the lock this process holds on it
+
+
 def _atomic_dir(final: Path) -> Path:
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    """A temporary directory to fill and publish as `final` whole; a writer killed meanwhile leaves
+    it to the next start, which removes it (`core.checkpoint_io.remove_dead_temps`)."""
+    tmp, _LOCKS[tmp] = temp_dir(final)
     return tmp
 
 
@@ -117,6 +121,9 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    lock = _LOCKS.pop(tmp, None)
+    if lock is not None:
+        os.close(lock)
 
 
 def split_for_encoding(text: str, limit: int) -> list[str]:
@@ -452,6 +459,8 @@ def _merge_reports(plan: Plan, summaries: list[dict]) -> dict:
         total.files_transcoded.update(r["files_transcoded"])
         total.nul_bytes_removed += r["nul_bytes_removed"]
         total.files_with_nul += r["files_with_nul"]
+        total.files_truncated += r.get("files_truncated", 0)
+        total.truncated_examples = (total.truncated_examples + r.get("truncated_examples", []))[:5]
     return total.to_dict()
 
 
@@ -643,18 +652,24 @@ def _setup(cfg: "DataConfig") -> tuple[Plan, str, Path, dict]:
     if not plan.chunks:
         _split_documents(0, cfg.val_fraction, cfg.seed, plan.report.to_dict())
     key = _inputs_key(cfg, plan)
-    work = _work_dir(cfg, key)
-    work.mkdir(parents=True, exist_ok=True)
-    return plan, key, work, _settings(cfg)
+    return plan, key, _work_dir(cfg, key), _settings(cfg)
 
 
 def _cached(cfg: "DataConfig", verbose: bool) -> tuple[PrepareResult | None, Plan, str, Path, dict]:
+    """The output where it is up to date; else what there is to do, in a work directory made now
+    (not before: an up-to-date prepare leaves nothing behind). What a killed prepare was writing
+    (a partial output, partial chunks) goes first."""
     plan, key, work, settings = _setup(cfg)
-    meta = _is_complete(Path(cfg.out_dir), key)
+    out = Path(cfg.out_dir)
+    for stale in remove_dead_temps(out.parent, out.name):
+        warn(f"removed {stale}, a partial output a killed prepare left")
+    remove_dead_temps(work / "chunks")
+    meta = _is_complete(out, key)
     if meta is not None:
         if verbose:
             console.print(f"prepare: {cfg.out_dir} is up to date (fingerprint {meta['fingerprint'][:12]}), nothing to do")
-        return PrepareResult(Path(cfg.out_dir), meta, cached=True), plan, key, work, settings
+        return PrepareResult(out, meta, cached=True), plan, key, work, settings
+    work.mkdir(parents=True, exist_ok=True)
     return None, plan, key, work, settings
 
 
@@ -667,8 +682,15 @@ def _finish(cfg: "DataConfig", plan: Plan, key: str, work: Path, settings: dict,
     for reason, count in meta["report"]["files_skipped"].items():
         examples = ", ".join(meta["report"]["skipped_examples"].get(reason, []))
         warn(f"skipped {count} file(s): {reason} (e.g. {examples})")
-    if meta["report"]["nul_bytes_removed"]:
-        warn(f"removed {meta['report']['nul_bytes_removed']} NUL byte(s) from {meta['report']['files_with_nul']} file(s)")
+    r = meta["report"]
+    if r["nul_bytes_removed"]:
+        warn(f"removed {r['nul_bytes_removed']} NUL byte(s) from {r['files_with_nul']} file(s)")
+    if r.get("files_truncated"):
+        warn(f"{r['files_truncated']} compressed file(s) end early (cut short): their complete lines before the cut "
+             f"were kept (e.g. {', '.join(r['truncated_examples'])})")
+    for reason in ("bad JSON line", "not UTF-8"):
+        if r["docs_dropped"].get(reason):
+            warn(f"dropped {r['docs_dropped'][reason]} document(s): {reason}")
     _print_summary(out, meta, time.perf_counter() - t0)
     return PrepareResult(out, meta, cached=False)
 
@@ -743,6 +765,8 @@ def _print_summary(out_dir: Path, meta: dict, seconds: float) -> None:
         table.add_row(f"files read as {encoding} (byte-order mark)", str(n))
     if r.get("nul_bytes_removed"):
         table.add_row("NUL bytes removed (files)", f"{r['nul_bytes_removed']} ({r['files_with_nul']})")
+    if r.get("files_truncated"):
+        table.add_row("files cut short (complete lines kept)", str(r["files_truncated"]))
     table.add_row("documents read", str(r["docs_read"]))
     for reason, n in r["docs_dropped"].items():
         table.add_row(f"documents dropped: {reason}", str(n))

@@ -39,16 +39,17 @@ from rich.progress import TextColumn
 from hetforge.cluster.balance import BALANCE_FILE, DriftMonitor
 from hetforge.cluster.dist import (DistContext, all_gather_object, all_gather_rows, barrier, broadcast_object,
                                    init_distributed, is_comm_failure, launch_world_size, peer_failure, post_error,
-                                   shutdown)
+                                   shutdown, watch_peers)
 from hetforge.cluster.facts import LaunchedFacts, LocalView, local_rank_facts
 from hetforge.cluster.run_plan import RunPlan, fingerprint, resolve_plan
-from hetforge.cluster.spec import Slowdown, check_launch, cluster_nodes, declared_devices, device_name, rank_device
+from hetforge.cluster.spec import (Slowdown, assign_nodes, check_launch, cluster_nodes, declared_devices, device_name,
+                                   rank_device)
 from hetforge.config import ConfigError, RunConfig, dump_config
 from hetforge.core.console import console, make_progress, warn
 from hetforge.core.errors import HetforgeError
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision, resolve_device
-from hetforge.core.process import process_peak_rss_bytes
+from hetforge.core.process import env_int, process_peak_rss_bytes
 from hetforge.evaluate.perplexity import EvalResult, evaluate
 from hetforge.memory.executor import apply_plan
 from hetforge.memory.verify import PlanCheck
@@ -108,6 +109,8 @@ def train(cfg: RunConfig, resume: Literal["auto", "always", "never"] = "auto", s
     """Train (or, with plan_only, stop once the run's plan is resolved: `hetforge balance`).
     `observers` watch every step from outside it (benches and tests add their own)."""
     device = resolve_device(cfg.train.device)
+    if resume == "never" and env_int("TORCHELASTIC_RESTART_COUNT", default=0) > 0:
+        resume = "auto"  # --no-resume is the first launch's: a restart continues the job it restarts
     world = launch_world_size()
     check_launch(cfg.cluster, world)  # before any connection: every rank fails alike
     declared = declared_devices(cluster_nodes(cfg.cluster))
@@ -118,8 +121,10 @@ def train(cfg: RunConfig, resume: Literal["auto", "always", "never"] = "auto", s
     if ctx.distributed and device.type == "cuda":
         device = torch.device("cuda", ctx.local_rank)
     trainer = None
+    watch_peers(ctx, lambda: (trainer.state.step if trainer else 0, _resume_hint(trainer)))
     try:
         if ctx.distributed:
+            assign_nodes(cfg.cluster, ctx, device)  # each rank's declared node, by host, not launch order
             check_launch(cfg.cluster, ctx.world_size, all_gather_object(ctx, (ctx.node_rank, ctx.local_rank)))
         trainer = Trainer(cfg, ctx, device, observers)
         trainer.setup(resume)
@@ -148,7 +153,8 @@ def train(cfg: RunConfig, resume: Literal["auto", "always", "never"] = "auto", s
 
 
 def _resume_hint(trainer: "Trainer | None") -> str:
-    command = "hetforge " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "hetforge train CONFIG"
+    args = [a for a in sys.argv[1:] if a != "--no-resume"]  # resuming is what the relaunch is for
+    command = "hetforge " + " ".join(args) if args else "hetforge train CONFIG"
     last = trainer.state.last_checkpoint if trainer is not None else None
     start = f"from {last}" if last is not None else "from the start (no checkpoint yet)"
     return f"relaunch the same job (torchrun ... {command}) to resume {start}"
