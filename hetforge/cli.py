@@ -81,6 +81,11 @@ def _run_commands(sub) -> None:
     p = sub.add_parser("balance", help="measure the ranks and split the global batch (run under torchrun)")
     _add_config(p)
 
+    p = sub.add_parser("doctor", help="what a run will see on this node: torch, CUDA, NCCL, devices, network, "
+                                      "its node of a cluster file")
+    p.add_argument("config", nargs="?", default=None, help="a run config: its cluster file and head size")
+    p.add_argument("--cluster", default=None, metavar="FILE", help="a cluster file (default: the config's)")
+
     p = sub.add_parser("launch", help="the commands that start a run on each node of its cluster file (torchrun, "
                                       "Slurm); --run starts this node's")
     _add_config(p)
@@ -265,6 +270,28 @@ def cmd_balance(args) -> int:
     result = train(cfg, resume="never", plan_only=True)
     if result.extra["world_size"] == 1 and result.extra["rank"] == 0:
         print("one process: the whole global batch runs here; launch with torchrun to balance ranks")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from rich.table import Table
+
+    from hetforge.cluster.doctor import report
+    from hetforge.cluster.spec import cluster_nodes, read_cluster_file
+    from hetforge.config import load_config
+    from hetforge.core.console import console
+
+    nodes, where, head = None, "", 64
+    if args.config:
+        cfg = load_config(args.config)
+        head = cfg.model.head_dim
+        nodes, where = cluster_nodes(cfg.cluster), cfg.cluster.file or "cluster.nodes"
+    if args.cluster:
+        nodes, where = read_cluster_file(args.cluster), args.cluster
+    t = Table(title="hetforge doctor", show_header=False)
+    for item, found in report(nodes or None, where, head):
+        t.add_row(item, found)
+    console.print(t)
     return 0
 
 
@@ -802,7 +829,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "launch": cmd_launch, "plan": cmd_plan,
+COMMANDS = {"prepare": cmd_prepare, "train": cmd_train, "balance": cmd_balance, "launch": cmd_launch, "doctor": cmd_doctor,
+            "plan": cmd_plan,
             "size": cmd_size, "report": cmd_report,
             "scale": cmd_scale, "export": cmd_export, "heads": cmd_heads,
             "eval": cmd_eval, "generate": cmd_generate, "demo": cmd_demo}

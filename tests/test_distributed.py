@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -170,8 +171,12 @@ def _worker_pid(parent: int, local_rank: int) -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tmp_path, strategy):
+@pytest.mark.parametrize("strategy,victim", [("ddp", 1), ("fsdp", 1), ("fsdp", 0)])
+def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tmp_path, strategy, victim):
+    """kill -9 of a rank (rank 0 too, which holds the checkpoint's publication) while a sharded
+    checkpoint is written where the kill lands in one: the survivor names it in one line, the
+    launcher restarts the job, which resumes (though started with --no-resume: that is the first
+    launch's) and ends with the uninterrupted run's weights, bitwise."""
     cluster = {**two_cpus(slowdowns=(20.0, 20.0)), "balance": "fixed",
                "assignments": [{"samples": 3, "micro_batch_size": 3}, {"samples": 5, "micro_batch_size": 5}]}
     kw = dict(steps=30, micro_batch_size=8, checkpoint_interval=5, eval_interval=1000)
@@ -182,17 +187,22 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tm
     cfg = with_cluster(make_cfg, "faulty", cluster, **kw).model_copy(update=parallel)
     path = tmp_path / "faulty.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    proc = subprocess.Popen(torchrun_cmd(2, "-m", "hetforge", "train", str(path), max_restarts=1), cwd=ROOT, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(torchrun_cmd(2, "-m", "hetforge", "train", str(path), "--no-resume", max_restarts=1),
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     root = Path(cfg.run_dir) / "checkpoints"
     deadline = time.time() + 120
-    while time.time() < deadline and not (root / "step_00000010").exists():
-        time.sleep(0.1)
-    victim = _worker_pid(proc.pid, 1)
-    assert victim is not None
-    os.kill(victim, signal.SIGKILL)
+    while time.time() < deadline and not (root / "step_00000010").exists() and not list(root.glob(".step_00000010.tmp-*")):
+        time.sleep(0.02)  # step 5's checkpoint is behind it: the restart has one to resume from
+    pid = _worker_pid(proc.pid, victim)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-3000:]
+    survivor = 1 - victim
+    named = [ln for ln in out.splitlines() if re.search(
+        rf"error: rank {survivor} \(\S+\): (lost rank {victim} |rank {victim} \(\S+\) stopped answering)", ln)]
+    assert len(named) == 1, out[-4000:]
+    assert "--no-resume" not in named[0]  # the relaunch hint is to resume
     assert "resumed from" in out
     assert max_diff(consolidated(cfg), consolidated(clean)) == 0.0
 

@@ -76,3 +76,23 @@ def test_a_gpu_rank_must_have_the_card_its_node_declares():
         match_nodes(gpus, ids, "c.yaml")
     with pytest.raises(ConfigError, match="has no GPU but c.yaml declares V100"):
         match_nodes(gpus, [rank(0, "gpu1", 0), rank(1, "gpu1", 1)], "c.yaml")
+
+
+def test_doctor_says_what_a_run_will_see_here(tmp_path, capsys, monkeypatch):
+    import yaml
+
+    from hetforge.cli import main
+    from hetforge.cluster.doctor import torch_version_problem
+
+    assert torch_version_problem("2.13.0+cu126") is None and torch_version_problem("2.6.0") is None
+    assert "older than 2.6" in torch_version_problem("2.5.1+cu121")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(yaml.safe_dump({"nodes": [{"host": "gpu1", "devices": [{"type": "cpu"}]},
+                                                 {"host": "gpu2", "devices": [{"type": "cpu", "count": 2}]}]}))
+    monkeypatch.setenv("HETFORGE_NODE", "gpu2")
+    assert main(["doctor", "--cluster", str(cluster)]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "interface" in out
+    assert "node 1 (gpu2)" in out and "HETFORGE_NODE=gpu2" in out
+    if not __import__("torch").cuda.is_available():
+        assert "runs train on the CPU" in out
