@@ -128,6 +128,11 @@ def _science_commands(sub) -> None:
     q.add_argument("--out", default=None, help="directory for the runs (default RUN_DIR-sweep)")
     q.add_argument("--print-commands", action="store_true",
                    help="print one `hetforge train` command per run (for a scheduler) instead of running them")
+    q.add_argument("--eval-tasks", default=None, metavar="T1,T2",
+                   help="score every run on these tasks as it trains and at its end (train.eval_tasks); "
+                        "`scale fit` then plots their accuracy against compute")
+    q.add_argument("--eval-limit", type=COUNT, default=None,
+                   help="with --eval-tasks: the first N questions of each task (default: all)")
     q = ssub.add_parser("fit", help="fit L(N, D) = E + A/N^a + B/D^b to the finished runs of a directory")
     q.add_argument("runs_dir")
     q.add_argument("--holdout", action="append", default=[], metavar="RUN",
@@ -165,9 +170,15 @@ def _model_commands(sub) -> None:
     p.add_argument("--max-batches", type=COUNT, default=None)
     p.add_argument("--batch-size", type=COUNT, default=16)
     p.add_argument("--prompt", default=None, help="also sample a continuation of this prompt")
-    p.add_argument("--task", action="append", default=[], metavar="TASK",
-                   help="zero-shot multiple choice instead of perplexity: sci-mc (built in) or a JSONL file "
-                        "(hetforge, SciQ or ARC form); repeatable")
+    p.add_argument("--tasks", action="append", default=[], metavar="T1,T2",
+                   help="multiple-choice tasks instead of perplexity: sciq, arc_easy, arc_challenge, piqa, "
+                        "openbookqa, hellaswag, mmlu_<subject>, groups forge and mmlu_sci, sci_mc (a smoke test) "
+                        "or a JSONL file; comma-separated or repeated")
+    p.add_argument("--task", action="append", dest="tasks", help=argparse.SUPPRESS)
+    p.add_argument("--shots", type=NONNEG, default=0, help="few-shot examples per question (default 0)")
+    p.add_argument("--limit", type=COUNT, default=None, help="score only the first N questions of each task")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="where the task scores go (default RUN/eval/step_XXXXXXXX-Nshot.json)")
     p.add_argument("--via", choices=["hetforge", "lm-eval"], default="hetforge",
                    help="score the tasks with hetforge's scorer or through lm-evaluation-harness (extra 'eval')")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
@@ -460,6 +471,13 @@ def _scale_sweep(args) -> int:
     out = Path(args.out or f"{cfg.run_dir}-sweep")
     _check_output_dir(out, "scale sweep --out")
     runs = plan_sweep(args.sizes.split(","), args.tokens.split(","), cfg.train.global_batch_size * cfg.train.seq_len)
+    if args.eval_tasks:
+        from hetforge.evaluate.benchmarks import expand
+
+        tasks = [t.strip() for t in args.eval_tasks.split(",") if t.strip()]
+        expand(tasks)
+        args.overrides = list(args.overrides) + [f"train.eval_tasks=[{','.join(tasks)}]",
+                                                 f"train.eval_task_limit={args.eval_limit or 'null'}"]
     if args.print_commands:
         for r in runs:
             sets = " ".join(f"--set {shlex.quote(o)}" for o in list(args.overrides) + r.overrides(out, cfg.train.warmup_steps))
@@ -526,12 +544,37 @@ def _scale_fit(args) -> int:
         console.print(f"held out {r['name']}: predicted {r['fitted']:.4f} (90% [{lo:.4f}, {hi:.4f}]), measured "
                       f"{r['loss']:.4f}, error {r['error']:+.2%}")
     console.print(f"constants: {out}   plot: {png}   (use with `hetforge size --law {out}`)")
+    if any(r.get("tasks") for r in rows):
+        console.print(_downstream_of_sweep(rows, out.with_name("downstream.png")))
     return 0
+
+
+def _downstream_of_sweep(rows: list[dict], png: Path):
+    """Each run's final task accuracy against its training FLOPs: a table, and a plot beside the fit."""
+    from rich.table import Table
+
+    from hetforge.scaling.downstream import plot_downstream
+
+    tasks = sorted({t for r in rows for t in r.get("tasks", {})})
+    series = {t: [(r["flops"], r["tasks"][t]["acc"]) for r in rows if t in r.get("tasks", {})] for t in tasks}
+    sizes = {t: [r["params"] for r in rows if t in r.get("tasks", {})] for t in tasks}
+    chance = {t: next(r["tasks"][t]["chance"] for r in rows if t in r.get("tasks", {})) for t in tasks}
+    plot_downstream(series, chance, png, "downstream accuracy against training compute", sizes)
+    t = Table(title=f"downstream accuracy (chance in the header); plot: {png}")
+    t.add_column("run")
+    t.add_column("FLOPs", justify="right")
+    for task in tasks:
+        t.add_column(f"{task}\n({chance[task]:.3f})", justify="right")
+    for r in sorted(rows, key=lambda r: r["flops"]):
+        t.add_row(r["name"], f"{r['flops']:.2e}",
+                  *[f"{r['tasks'][task]['acc']:.3f}" if task in r.get("tasks", {}) else "-" for task in tasks])
+    return t
 
 
 def cmd_report(args) -> int:
     from hetforge.core.console import console
     from hetforge.scaling.accounting import report_table, run_report, write_report
+    from hetforge.scaling.downstream import plot_downstream, run_points
     from hetforge.train.metrics import plot_loss_curve
 
     run = Path(args.run_dir)
@@ -542,11 +585,17 @@ def cmd_report(args) -> int:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     plot_loss_curve(run / "metrics.jsonl", rep["loss_curve"], title=run.name)
+    series, chance = run_points(run)
+    if series:
+        rep["tasks_plot"] = str(plot_downstream(series, chance, run / "tasks.png",
+                                                f"{run.name}: task accuracy against training compute"))
     write_report(run)
     if args.json:
         print(json.dumps(rep))
     else:
         console.print(report_table(rep))
+        if series:
+            console.print(f"task accuracy against compute: {rep['tasks_plot']}")
     return 0
 
 
@@ -684,7 +733,7 @@ def _eval(checkpoint: str, split: str, max_batches, batch_size: int, data: str |
 def cmd_eval(args) -> int:
     from hetforge.core.console import console
 
-    if args.task:
+    if args.tasks:
         return _eval_tasks(args)
     model, state, tok, res = _eval(args.checkpoint, args.split, args.max_batches, args.batch_size, args.data)
     out = {"checkpoint": state["path"], "split": args.split, **res.to_dict()}
@@ -702,14 +751,15 @@ def cmd_eval(args) -> int:
 
 
 def _eval_tasks(args) -> int:
-    from rich.table import Table
-
     from hetforge.core.console import console
-    from hetforge.data.tokenizer import load_tokenizer
-    from hetforge.evaluate.multiple_choice import load_task, score_task
-    from hetforge.model.load import load_for_inference
     from hetforge.core.precision import resolve_device
+    from hetforge.data.tokenizer import load_tokenizer
+    from hetforge.evaluate.benchmarks import expand
+    from hetforge.evaluate.suite import result_path, save_scores, score_tasks
+    from hetforge.model.load import load_for_inference
 
+    names = [t for arg in args.tasks for t in arg.split(",") if t.strip()]
+    expand(names, args.shots)  # a bad name fails before the model loads
     device = resolve_device("auto")
     model, state = load_for_inference(args.checkpoint, device)
     tok = load_tokenizer(state["tokenizer"])
@@ -718,26 +768,40 @@ def _eval_tasks(args) -> int:
             from hetforge.evaluate.lm_eval_adapter import HetforgeLM, evaluate
         except ImportError:
             raise ConfigError("--via lm-eval needs lm-evaluation-harness: pip install -e '.[eval]'") from None
-        got = evaluate(HetforgeLM(model=model, tokenizer=tok, device=str(device), max_length=state["seq_len"],
-                                  batch_size=args.batch_size), args.task)
-        rows = [{"task": k, "acc": v["acc"], "acc_norm": v["acc_norm"]} for k, v in got.items()]
+        lm = HetforgeLM(model=model, tokenizer=tok, device=str(device), max_length=state["seq_len"],
+                        batch_size=args.batch_size)
+        scores = evaluate(lm, names, args.shots, args.limit)
     else:
-        rows = []
-        for t in args.task:
-            name, items = load_task(t)
-            res, _ = score_task(model, tok, name, items, state["seq_len"], device, args.batch_size)
-            rows.append(res.to_dict())
+        def say(task):
+            if not args.json:
+                console.print(f"scoring {task} ({args.shots}-shot)")
+        scores = score_tasks(model, tok, names, state["seq_len"], device, args.shots, args.limit, args.batch_size, say)
+    step = int(state.get("step", 0))
+    path = save_scores(Path(args.out) if args.out else result_path(state["path"], step, args.shots), state["path"],
+                       step, args.shots, scores, args.via, args.limit)
     if args.json:
-        print(json.dumps({"checkpoint": state["path"], "via": args.via, "tasks": rows}))
+        print(json.dumps({"checkpoint": state["path"], "via": args.via, "shots": args.shots, "limit": args.limit,
+                          "tasks": [s.to_dict() for s in scores], "saved": str(path)}))
         return 0
-    t = Table(title=f"zero-shot multiple choice: {state['path']} (via {args.via})")
-    for col in ("task", "items", "acc", "acc_norm", "chance"):
-        t.add_column(col, justify="left" if col == "task" else "right")
-    for r in rows:
-        t.add_row(r["task"], str(r.get("n", "")), f"{r['acc']:.3f}", f"{r['acc_norm']:.3f}",
-                  f"{r['chance']:.3f}" if "chance" in r else "")
-    console.print(t)
+    console.print(scores_table(scores, f"{state['path']} ({args.shots}-shot, via {args.via})"))
+    console.print(f"saved {path}")
     return 0
+
+
+def scores_table(scores, title: str):
+    """acc and acc_norm with their standard errors, as lm-eval prints them, and chance."""
+    from rich.table import Table
+
+    def pm(v, se):
+        return "-" if v is None else f"{v:.4f}" + (f" ± {se:.4f}" if se is not None else "")
+
+    t = Table(title=title)
+    for col in ("task", "split", "n", "acc", "acc_norm", "chance"):
+        t.add_column(col, justify="left" if col in ("task", "split") else "right")
+    for s in scores:
+        t.add_row(s.task if not s.members else f"[bold]{s.task}[/bold] (group)", s.split, f"{s.n:,}",
+                  pm(s.acc, s.acc_stderr), pm(s.acc_norm, s.acc_norm_stderr), f"{s.chance:.4f}")
+    return t
 
 
 def cmd_heads(args) -> int:

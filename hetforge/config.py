@@ -210,6 +210,12 @@ class TrainConfig(_Strict):
     eval_interval: int = Field(100, ge=1)
     eval_batches: int = Field(8, ge=1)
     final_eval_batches: int = Field(64, ge=1)  # the end-of-run validation is larger
+    # multiple-choice tasks (names as `hetforge eval --tasks` takes them) scored at every validation
+    # and at the end, on the first eval_task_limit questions of each (null: all): downstream
+    # accuracy as it grows
+    eval_tasks: list[str] = []
+    eval_task_limit: int | None = Field(100, ge=1)
+    eval_task_shots: int = Field(0, ge=0)
     checkpoint_interval: int = Field(100, ge=1)
     keep_checkpoints: int = Field(2, ge=2)
     save_checkpoints: bool = True  # false for benchmarks: no checkpoint is written, so none resumes

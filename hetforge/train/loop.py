@@ -65,6 +65,7 @@ from hetforge.train.optim import build_optimizer, lr_at, param_order
 from hetforge.train.parallel import (ComputeTimer, compile_blocks, device_mesh, init_sharded, local_sharding,
                                      local_state_bytes, parallelize, shard_model)
 from hetforge.train.run_data import RunData, open_data
+from hetforge.train.task_eval import TaskEval
 from hetforge.train.step import StepResult, TokenLoss, backward_share, optimizer_step  # noqa: F401 (the step's API)
 
 
@@ -231,6 +232,7 @@ class Trainer:
             raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
         self.plan = plan_run(cfg, ctx, self.device, self.shape, self.say)
         self.precision = Precision(self.plan.precision, self.device)
+        self.task_eval = TaskEval(tc, self.data.tokenizer, self.device, self.precision)
         torch.manual_seed(tc.seed)
         self.model = self.build_model()
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", ctx, tc.keep_checkpoints,
@@ -365,6 +367,7 @@ class Trainer:
                 paused = time.perf_counter()  # validation and checkpoints are not in the throughput
                 if st.step % tc.eval_interval == 0 and st.step < tc.steps:
                     self.log_validation(self.validate(tc.eval_batches))
+                    self.task_eval(self.model, st.step, st.consumed * tc.seq_len, self.logger, self.say)
                 stopping = stop_requested or (stop_after is not None and st.steps_this_call >= stop_after)
                 if (st.step % tc.checkpoint_interval == 0 or stopping) and st.step < tc.steps:
                     st.last_checkpoint = self.write_checkpoint(final=False) or st.last_checkpoint
@@ -504,6 +507,7 @@ class Trainer:
             val = self.validate(tc.final_eval_batches)
             if ctx.is_main:
                 self.logger.log("val", st.step, val.to_dict())
+            self.task_eval(self.model, st.step, st.consumed * tc.seq_len, self.logger, self.say)
             if st.steps_this_call or st.last_checkpoint is None:  # a finished run that was resumed needs no rewrite
                 st.last_checkpoint = self.write_checkpoint(final=True)
         measured = all_gather_object(ctx, self.power_meter.mean_w)
