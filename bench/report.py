@@ -23,6 +23,17 @@ def _value(v) -> str:
     return str(v)
 
 
+def _table(table: dict[str, dict]) -> list[str]:
+    """A bench's per-row figures (one row per task, say) as a table; a pair of values (this tool,
+    its peer) is shown as `a / b`."""
+    cols = list(dict.fromkeys(k for row in table.values() for k in row))
+    out = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, row in table.items():
+        cells = [" / ".join(map(str, row[c])) if isinstance(row.get(c), list) else _value(row.get(c, "")) for c in cols]
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def _scripts() -> list[str]:
     """The benches: the scripts that keep their figures (`record`)."""
     return sorted(p.stem for p in (ROOT / "bench").glob("*.py")
@@ -39,8 +50,10 @@ def page() -> str:
         m = e["machine"]
         where = f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if m.get("gpu") else "") + f", torch {m['torch']}"
         lines += [f"## {name}", "", f"`{e['command']}` — {e['date']} — {where}", "", "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {_value(v)} |" for k, v in e["figures"].items() if k != "bench"]
+        lines += [f"| {k} | {_value(v)} |" for k, v in e["figures"].items() if k not in ("bench", "table")]
         lines.append("")
+        if isinstance(e["figures"].get("table"), dict):
+            lines += _table(e["figures"]["table"])
     missing = [s for s in _scripts() if s not in entries]
     if missing:
         lines += ["## Not run since results were kept", "",

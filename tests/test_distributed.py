@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -195,13 +196,22 @@ def test_killed_rank_restarts_from_checkpoint_with_identical_result(make_cfg, tm
         time.sleep(0.02)  # step 5's checkpoint is behind it: the restart has one to resume from
     pid = _worker_pid(proc.pid, victim)
     assert pid is not None
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), ln) for ln in proc.stdout), daemon=True)
+    reader.start()
+    killed_at = time.time()
     os.kill(pid, signal.SIGKILL)
-    out, _ = proc.communicate(timeout=240)
+    proc.wait(timeout=240)
+    reader.join(timeout=30)
+    out = "".join(ln for _, ln in lines)
     assert proc.returncode == 0, out[-3000:]
     survivor = 1 - victim
-    named = [ln for ln in out.splitlines() if re.search(
+    named = [(t, ln) for t, ln in lines if re.search(
         rf"error: rank {survivor} \(\S+\): (lost rank {victim} |rank {victim} \(\S+\) stopped answering)", ln)]
     assert len(named) == 1, out[-4000:]
+    print(f"rank {victim} named by rank {survivor} {named[0][0] - killed_at:.1f}s after kill -9")
+    assert named[0][0] - killed_at < 60  # one-sided: the heartbeat names a silent peer within seconds
+    named = [ln for _, ln in named]
     assert "--no-resume" not in named[0]  # the relaunch hint is to resume
     assert "resumed from" in out
     assert max_diff(consolidated(cfg), consolidated(clean)) == 0.0
@@ -246,6 +256,7 @@ def test_unreachable_rendezvous_fails_fast(make_cfg, tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert res.returncode == 2
     assert f"could not reach the rendezvous at 127.0.0.1:{port} within 3s" in res.stderr
+    assert [line for line in res.stderr.splitlines() if line.strip()] == [res.stderr.strip()]  # one line, no trace
     assert time.time() - t0 < 60
 
 

