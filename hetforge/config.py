@@ -361,6 +361,33 @@ class MeshConfig(_Strict):
     shard: int | None = Field(None, ge=1)
 
 
+class PipelineConfig(_Strict):
+    """Pipeline parallelism on `torch.distributed.pipelining`: the blocks cut into `stages`
+    consecutive stages, one per rank of a pipeline, and world / stages pipelines (replicas) side by
+    side with data parallelism between them. Ranks are stage-major (rank = stage x replicas +
+    replica), so a stage's replicas are neighbouring ranks, on one node where they fit: gradients
+    are reduced within a node and only activations cross a stage boundary.
+
+    layers: blocks per stage, first to last (null: sized to each stage's speed and memory);
+    schedule: 1f1b (one forward, one backward: a stage holds at most `stages` micro-batches'
+    activations) or gpipe (all forwards, then all backwards); auto = 1f1b where a pipeline has at
+    least as many micro-batches as stages, else gpipe."""
+
+    stages: int = Field(ge=2)
+    layers: list[int] | None = None
+    schedule: Literal["auto", "1f1b", "gpipe"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self) -> "PipelineConfig":
+        if self.layers is not None:
+            if len(self.layers) != self.stages:
+                raise ValueError(f"parallel.pipeline.layers has {len(self.layers)} entries for {self.stages} stages; "
+                                 f"give one block count per stage")
+            if any(n < 1 for n in self.layers):
+                raise ValueError(f"parallel.pipeline.layers {self.layers}: every stage needs at least one block")
+        return self
+
+
 class ParallelConfig(_Strict):
     """How training state is spread over the ranks (ZeRO stages on PyTorch's FSDP2).
 
@@ -389,9 +416,13 @@ class ParallelConfig(_Strict):
     # where every rank's memory holds them and the balance prices the step faster (not under an
     # activation plan, which is solved for the sharded bytes), else sharded.
     accumulation: Literal["auto", "sharded", "unsharded"] = "auto"
+    pipeline: PipelineConfig | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
+        if self.pipeline is not None and (self.strategy not in ("auto", "ddp") or self.offload != "none"):
+            raise ValueError(f"parallel.pipeline replicates each stage over its replicas (strategy ddp); "
+                             f"strategy={self.strategy}, offload={self.offload} within a stage is not supported")
         if self.offload == "params" and self.strategy in ("ddp", "zero1"):
             raise ValueError(f"parallel.offload=params needs a sharded strategy (zero2 or fsdp; FSDP2's CPU "
                              f"offload), not {self.strategy}")
@@ -424,6 +455,22 @@ class RunConfig(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+
+    @model_validator(mode="after")
+    def _pipeline_fits_the_model(self) -> "RunConfig":
+        pipe = self.parallel.pipeline
+        if pipe is None:
+            return self
+        if self.model.tie_embeddings:
+            raise ValueError("parallel.pipeline needs untied embeddings (model.tie_embeddings: false): the input "
+                             "embedding and the output projection sit on different stages")
+        if pipe.layers is not None and self.model.n_layers is not None and sum(pipe.layers) != self.model.n_layers:
+            raise ValueError(f"parallel.pipeline.layers {pipe.layers} cover {sum(pipe.layers)} blocks but the model "
+                             f"has {self.model.n_layers}; the counts must add up to model.n_layers")
+        if self.memory.active:
+            raise ValueError("parallel.pipeline with an activation plan (memory.*) is not supported; each stage "
+                             "keeps its activations")
+        return self
 
     @model_validator(mode="after")
     def _assignments_cover_the_batch(self) -> "RunConfig":

@@ -26,6 +26,7 @@ from typing import Any, Callable, Protocol
 
 from hetforge.cluster.balance import (BalanceError, BalancePlan, RankInfo, RankShare, TimeModel, balanced_plan,
                                       choose_accumulation, collective_seconds, equal_counts, equal_plan, fixed_plan)
+from hetforge.cluster.pipeline_plan import PipelinePlan, plan_pipeline
 from hetforge.cluster.probe import (WORKSPACE_MARGIN, candidate_sizes, largest_fitting, micro_batches_within,
                                     planned_points, planned_step_costs)
 from hetforge.config import ConfigError, RunConfig
@@ -39,7 +40,8 @@ from hetforge.memory.plan import ModelProfile, Plan
 from hetforge.memory.sharding import HOST_OPTIMIZER, NoStrategyFits, RankNeed, choose_strategy, pick_strategy, \
     unit_size_that_fits
 from hetforge.model.accounting import (STRATEGIES, ShardLayout, collective_bytes_per_step, collectives_per_micro_batch,
-                                       parameter_sizes, state_shares, unsharded_accumulation_collectives)
+                                       GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, parameter_sizes, stage_parameters,
+                                       state_shares, unsharded_accumulation_collectives)
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 PLAN_VERSION = 1
@@ -148,10 +150,17 @@ class RunPlan:
     why: dict[str, str] = field(default_factory=dict)  # per decision, one line
     fingerprint: str = ""
     facts: dict = field(default_factory=dict)  # what it was decided on
+    pipeline: PipelinePlan | None = None  # strategy "pipeline": stages, blocks, micro-batches per replica
 
     @property
     def sharded(self) -> bool:
         return self.strategy in ("zero2", "fsdp")
+
+    @property
+    def distributed_state(self) -> bool:
+        """Every rank holds a part of the state of its own (shards, or a pipeline stage's): each
+        writes and reads its part of a checkpoint."""
+        return self.sharded or self.pipeline is not None
 
     @property
     def gather_bytes(self) -> int:
@@ -178,7 +187,8 @@ class RunPlan:
                 "unit_params": self.unit_params, "offload": self.offload, "accumulation": self.accumulation,
                 "balance": self.balance.to_dict(), "ranks": [asdict(r) for r in self.ranks],
                 "link": asdict(self.link) if self.link else None, "predicted_step_s": self.predicted_step_s,
-                "step_parts": self.step_parts, "why": self.why, "fingerprint": self.fingerprint, "facts": self.facts}
+                "step_parts": self.step_parts, "why": self.why, "fingerprint": self.fingerprint, "facts": self.facts,
+                "pipeline": self.pipeline.to_dict() if self.pipeline else None}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunPlan":
@@ -186,7 +196,7 @@ class RunPlan:
                    tuple(d["mesh"]) if d["mesh"] else None, d["unit_params"], d["offload"], d["accumulation"],
                    BalancePlan.from_dict(d["balance"]), [RankPlan(**r) for r in d["ranks"]],
                    Link(**d["link"]) if d["link"] else None, d["predicted_step_s"], d["step_parts"], d["why"],
-                   d["fingerprint"], d["facts"])
+                   d["fingerprint"], d["facts"], PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None)
 
     def save(self, run_dir: Path) -> Path:
         """`RUN/plan.json`, and the same as tables in `RUN/plan.txt`."""
@@ -211,12 +221,17 @@ class RunPlan:
         rows = [("precision", self.precision), ("strategy", self.strategy), ("compile", "on" if self.compile else "off")]
         if self.sharded:
             rows.append(("accumulation", self.accumulation))
+        if self.pipeline is not None:
+            rows.append(("pipeline", f"{self.pipeline.stages} stages x {self.pipeline.replicas} replica(s), blocks "
+                                     f"{'+'.join(map(str, self.pipeline.layers))}"))
         for key, value in rows:
             head.add_row(key, value, escape(self.why.get(key, "")))
         if self.predicted_step_s is not None:
             parts = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in self.step_parts.items())
             tokens = self.balance.global_batch * self.facts.get("seq_len", 0) / self.predicted_step_s
             head.add_row("step", f"{self.predicted_step_s * 1e3:,.1f} ms", f"{parts}; {tokens:,.0f} tokens/s")
+        if self.pipeline is not None:
+            return [head, self._pipeline_table()]
         ranks = Table(title=f"per rank (global batch {self.balance.global_batch})")
         for col in ("rank", "host", "device", "attention", "memory", "samples", "micro-batches", "activations", "peak",
                     "step"):
@@ -228,6 +243,24 @@ class RunPlan:
                           format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes else "-",
                           f"{s.predicted_s * 1e3:,.1f} ms" if s.predicted_s else "-")
         return [head, ranks]
+
+
+    def _pipeline_table(self):
+        from rich.table import Table
+
+        pipe = self.pipeline
+        t = Table(title=f"pipeline: {pipe.stages} stages x {pipe.replicas} replica(s) (global batch "
+                        f"{self.balance.global_batch}, micro-batches of {pipe.micro_batch_size})")
+        for col in ("rank", "host", "device", "stage", "blocks", "replica", "micro-batches", "schedule", "bubble",
+                    "peak"):
+            t.add_column(col, justify="left" if col in ("host", "device", "schedule") else "right")
+        for r in self.ranks:
+            s, rep = pipe.stage_of(r.rank), pipe.replica_of(r.rank)
+            b = pipe.blocks(s)
+            t.add_row(str(r.rank), r.host, r.device, str(s), f"{b.start}-{b.stop - 1}", str(rep),
+                      str(pipe.micro_batches[rep]), pipe.schedules[rep], f"{pipe.bubble(rep):.0%}",
+                      format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes else "-")
+        return t
 
 
 def _micro_text(parts: list[int]) -> str:
@@ -249,6 +282,8 @@ def _layout(strategy: str, shard: int, gather: int, offload: str, unit_params: i
 # ------------------------------------------------------------------------------------------- decide
 def resolve_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
     """The run's plan (see the module's docstring). Raises ConfigError, in one line, where nothing fits."""
+    if cfg.parallel.pipeline is not None:
+        return _pipeline_run_plan(cfg, shape, facts)
     world, ranks = len(facts.ranks), facts.ranks
     why: dict[str, str] = {}
     precision, why["precision"] = _precision(cfg, ranks)
@@ -278,6 +313,50 @@ def resolve_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
     plan.facts = {"seq_len": cfg.train.seq_len, "ranks": [r.to_dict() for r in ranks],
                   "time_models": balance.models}
     return plan
+
+
+def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
+    """A pipeline run's plan: its layout (`pipeline_plan.plan_pipeline`), the replicas' shares of
+    the global batch as a balance over replicas, and each rank's stage and bytes."""
+    ranks, world = facts.ranks, len(facts.ranks)
+    why: dict[str, str] = {}
+    precision, why["precision"] = _precision(cfg, ranks)
+    if precision == "fp16":
+        raise ConfigError("parallel.pipeline does not train in fp16 (its loss scaling would have to agree across "
+                          "stages); set train.precision to bf16 or fp32")
+    heads = [_head_dim(cfg, shape, r.capability, precision) for r in ranks]
+    pipe = plan_pipeline(cfg, shape, [r.device for r in ranks], [r.speed for r in ranks],
+                         [r.memory_bytes for r in ranks], precision, max(heads))
+    why["strategy"] = f"parallel.pipeline: {pipe.why}"
+    why["compile"] = "off under a pipeline (the stages run eagerly)"
+    slot = max(pipe.stage_micro_s)  # a micro-batch's slot: the slowest stage's time (relative units)
+    shares = []
+    for r in range(pipe.replicas):
+        first = ranks[pipe.pipeline_ranks(r)[0]]
+        n = pipe.micro_batches[r]
+        shares.append(RankShare(r, first.host, f"pipeline {r}", None, 0.0, pipe.micro_batch_size,
+                                n * pipe.micro_batch_size, [pipe.micro_batch_size] * n,
+                                (n + pipe.stages - 1) * slot if n else 0.0))
+    balance = BalancePlan(cfg.train.global_batch_size, cfg.cluster.balance, shares)
+    rank_plans = []
+    for r in ranks:
+        s = pipe.stage_of(r.rank)
+        kernel = sdpa_backend(r.capability, precision, heads[r.rank]) if r.kind == "cuda" else "cpu"
+        rank_plans.append(RankPlan(r.rank, r.node, r.host, r.device, r.memory_bytes, heads[r.rank], kernel, None,
+                                   _stage_bytes(shape, pipe.layers[s], s == 0, s == pipe.stages - 1, cfg.train.optimizer),
+                                   summary=f"stage {s}, blocks {pipe.blocks(s).start}-{pipe.blocks(s).stop - 1}",
+                                   predicted_peak_bytes=pipe.stage_bytes[s]))
+    plan = RunPlan(world, precision, False, "pipeline", None, cfg.parallel.unit_params, "none", "sharded", balance,
+                   rank_plans, None, None, {}, why, pipeline=pipe)
+    plan.fingerprint = fingerprint(cfg, shape, ranks)
+    plan.facts = {"seq_len": cfg.train.seq_len, "ranks": [r.to_dict() for r in ranks]}
+    return plan
+
+
+def _stage_bytes(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool, optimizer: str) -> dict[str, float]:
+    n = stage_parameters(shape, blocks, first, last)
+    return {"weights": float(WEIGHT_BYTES * n), "gradients": float(GRAD_BYTES * n),
+            "optimizer state": float(OPTIMIZER_BYTES[optimizer] * n)}
 
 
 def _torch_device(kind: str):

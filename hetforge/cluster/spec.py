@@ -60,14 +60,21 @@ def declared_devices(nodes: list[NodeSpec]) -> int:
     return sum(d.count for node in nodes for d in node.devices)
 
 
-def check_launch(cfg: ClusterConfig, world_size: int, layout: list[tuple[int, int]] | None = None) -> None:
+def check_launch(cfg: ClusterConfig, world_size: int, layout: list[tuple[int, int]] | None = None,
+                 stages: int = 1) -> None:
     """The launch against the declaration, before any collective, the same on every rank: as many
-    ranks as declared devices, fixed assignments one per rank, and (given every rank's (node rank,
-    local rank)) each node launched with as many ranks as it declares devices."""
+    ranks as declared devices, fixed assignments one per rank (per pipeline replica, where each
+    pipeline has `stages` ranks), and (given every rank's (node rank, local rank)) each node launched
+    with as many ranks as it declares devices."""
     if world_size <= 1:
         return
-    if cfg.balance == "fixed" and len(cfg.assignments) != world_size:
-        raise ConfigError(f"cluster.assignments has {len(cfg.assignments)} entries for {world_size} ranks; give one per rank")
+    if stages > 1 and world_size % stages:
+        raise ConfigError(f"parallel.pipeline.stages={stages} does not divide the {world_size} ranks of this job; "
+                          f"launch a multiple of {stages} ranks")
+    per = "pipeline replica" if stages > 1 else "rank"
+    if cfg.balance == "fixed" and len(cfg.assignments) != world_size // stages:
+        raise ConfigError(f"cluster.assignments has {len(cfg.assignments)} entries for {world_size // stages} "
+                          f"{per}s; give one per {per}")
     nodes = cluster_nodes(cfg)
     if not nodes:
         return

@@ -27,6 +27,13 @@ class EvalResult:
         return {"loss": self.loss, "perplexity": self.perplexity, "bits_per_byte": self.bits_per_byte,
                 "tokens": self.tokens}
 
+    @classmethod
+    def from_sums(cls, nll_sum: float, tokens: float, nbytes: float) -> "EvalResult":
+        """From the summed NLL (nats), the tokens and the UTF-8 bytes they stand for."""
+        loss = nll_sum / max(int(tokens), 1)
+        bpb = nll_sum / math.log(2) / nbytes if nbytes > 0 else None
+        return cls(loss, math.exp(min(loss, 700.0)), bpb, int(tokens))
+
 
 @torch.no_grad()
 def evaluate(
@@ -74,6 +81,4 @@ def evaluate(
     if reduce is not None:
         nll_sum, tokens, nbytes = (float(v) for v in reduce(torch.tensor([nll_sum, tokens, nbytes], dtype=torch.float64)))
         tokens = int(tokens)
-    loss = nll_sum / max(tokens, 1)
-    bpb = nll_sum / math.log(2) / nbytes if nbytes > 0 else None
-    return EvalResult(loss, math.exp(min(loss, 700.0)), bpb, tokens)
+    return EvalResult.from_sums(nll_sum, tokens, nbytes)

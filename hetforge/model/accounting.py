@@ -272,3 +272,32 @@ class ShardLayout:
         offload = "optimizer" if optimizer_offload and self.offload == "none" else self.offload
         return sharded_static_bytes(shape, optimizer, self.strategy, self.shard_size, offload, self.gather_bytes,
                                     self.unit_params, self.state_share, self.accumulation)
+
+
+# --- pipeline stages -----------------------------------------------------------------------------
+# A stage holds consecutive blocks; the first also the input embedding, the last the final norm and
+# the output projection (untied: the two embeddings sit on different stages).
+def stage_parameters(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool) -> int:
+    n = blocks * block_params(shape)
+    if first:
+        n += shape.vocab_size * shape.d_model
+    if last:
+        n += 2 * shape.d_model + shape.vocab_size * shape.d_model
+    return n
+
+
+def stage_flops_per_sample(shape: GPTNeoXConfig, seq_len: int, blocks: int, last: bool) -> float:
+    """Forward and backward FLOPs of one sample through a stage (the head's on the last one)."""
+    flops = 3.0 * blocks * block_forward_flops(shape, seq_len, seq_len)
+    return flops + (3.0 * head_forward_flops(shape, seq_len) if last else 0.0)
+
+
+def stage_static_bytes(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool, optimizer: str = "adamw") -> float:
+    """fp32 weights, gradients and optimizer state of a stage's parameters."""
+    return float((WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES[optimizer]) * stage_parameters(shape, blocks, first, last))
+
+
+def boundary_bytes(shape: GPTNeoXConfig, micro_batch: int, seq_len: int, dtype_bytes: int) -> int:
+    """What crosses a stage boundary per micro-batch, each way: the hidden states (forward) and
+    their gradient (backward)."""
+    return micro_batch * seq_len * shape.d_model * dtype_bytes

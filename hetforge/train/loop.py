@@ -62,11 +62,12 @@ from hetforge.train.checkpoint import resolve as ckpt_resolve
 from hetforge.train.metrics import account, log_run_start, plot_loss_curve
 from hetforge.train.observers import FirstStepRecord, PlanCheckObserver, StepObserver, StopSignals
 from hetforge.train.optim import build_optimizer, lr_at, param_order
-from hetforge.train.parallel import (ComputeTimer, compile_blocks, device_mesh, init_sharded, local_sharding,
+from hetforge.train.parallel import (ComputeTimer, Parallel, compile_blocks, device_mesh, init_sharded, local_sharding,
                                      local_state_bytes, parallelize, shard_model)
 from hetforge.train.run_data import RunData, open_data
+from hetforge.train.pipeline import build_pipeline, evaluate_pipeline, prune_to_stage
 from hetforge.train.task_eval import TaskEval
-from hetforge.train.step import StepResult, TokenLoss, backward_share, optimizer_step  # noqa: F401 (the step's API)
+from hetforge.train.step import StepResult, TokenLoss, backward_share, optimizer_step, pipeline_share  # noqa: F401 (the step's API)
 
 
 @dataclass
@@ -113,7 +114,8 @@ def train(cfg: RunConfig, resume: Literal["auto", "always", "never"] = "auto", s
     if resume == "never" and env_int("TORCHELASTIC_RESTART_COUNT", default=0) > 0:
         resume = "auto"  # --no-resume is the first launch's: a restart continues the job it restarts
     world = launch_world_size()
-    check_launch(cfg.cluster, world)  # before any connection: every rank fails alike
+    stages = cfg.parallel.pipeline.stages if cfg.parallel.pipeline else 1
+    check_launch(cfg.cluster, world, stages=stages)  # before any connection: every rank fails alike
     declared = declared_devices(cluster_nodes(cfg.cluster))
     if world == 1 and declared > 1 and not plan_only:
         warn(f"the cluster declares {declared} devices but this is one process: it trains alone; launch one rank "
@@ -126,7 +128,7 @@ def train(cfg: RunConfig, resume: Literal["auto", "always", "never"] = "auto", s
     try:
         if ctx.distributed:
             assign_nodes(cfg.cluster, ctx, device)  # each rank's declared node, by host, not launch order
-            check_launch(cfg.cluster, ctx.world_size, all_gather_object(ctx, (ctx.node_rank, ctx.local_rank)))
+            check_launch(cfg.cluster, ctx.world_size, all_gather_object(ctx, (ctx.node_rank, ctx.local_rank)), stages)
         trainer = Trainer(cfg, ctx, device, observers)
         trainer.setup(resume)
         if plan_only:
@@ -232,24 +234,33 @@ class Trainer:
             raise CheckpointError(f"{found} was written for a different model config; use a new run_dir")
         self.plan = plan_run(cfg, ctx, self.device, self.shape, self.say)
         self.precision = Precision(self.plan.precision, self.device)
-        self.task_eval = TaskEval(tc, self.data.tokenizer, self.device, self.precision)
+        self.task_eval = TaskEval(tc, self.data.tokenizer, self.device, self.precision,
+                                  enabled=self.plan.pipeline is None)
         torch.manual_seed(tc.seed)
         self.model = self.build_model()
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", ctx, tc.keep_checkpoints,
-                                             self.plan.sharded)
+                                             self.plan.distributed_state)
         if found is not None:
-            load_model_state(found, self.model, self.plan.sharded)
+            load_model_state(found, self.model, self.plan.distributed_state)
             self.state.step, self.state.consumed, self.state.last_checkpoint = int(ck["step"]), ck["consumed_samples"], found
             self.say(f"resumed from {found} (step {self.state.step}, {self.state.consumed} samples consumed)")
         elif init is not None:
-            load_model_state(init, self.model, self.plan.sharded)
+            load_model_state(init, self.model, self.plan.distributed_state)
             self.say(f"starting from the weights of {init}")
 
     def build_model(self) -> torch.nn.Module:
         """The model as planned: on the meta device and sharded where the plan shards (each rank then
         initialises its own shards only), its attention at the planned head size."""
         plan, cfg, rank = self.plan, self.cfg, self.ctx.rank
-        if not plan.sharded:
+        if plan.pipeline is not None:  # this rank's stage only, initialised as the whole model would be
+            pipe = plan.pipeline
+            s = pipe.stage_of(rank)
+            with torch.device("meta"):
+                model = prune_to_stage(GPTNeoX(self.shape), pipe.blocks(s), s == 0, s == pipe.stages - 1)
+            model.to_empty(device=self.device)
+            model.reset_parameters(cfg.train.seed)
+            model.rotary.reset_buffers()
+        elif not plan.sharded:
             model = GPTNeoX.build(self.shape, self.device, cfg.train.seed)
         else:
             with torch.device("meta"):
@@ -290,15 +301,20 @@ class Trainer:
                                            self.param_order, self.scaler)
         if plan.compile:
             compile_blocks(self.model, whole_chain=not ctx.distributed)
-        self.par = parallelize(self.model, ctx, self.device, plan.strategy, accumulation=plan.accumulation)
         self.loss_fn = TokenLoss()  # its own instance: a slow rank's hooks go on it
+        self.pipe = None
+        if plan.pipeline is not None:
+            self.pipe = build_pipeline(plan.pipeline, ctx.rank, self.model, self.device, self.loss_fn)
+            self.par = Parallel(self.model, "pipeline")
+        else:
+            self.par = parallelize(self.model, ctx, self.device, plan.strategy, accumulation=plan.accumulation)
         slow = Slowdown(self.spec)  # the simulation knob: each unit slowed where it runs
         m = self.model
         slow.install_per_module([m.embed_in, *m.layers, m.final_layer_norm, m.embed_out, self.loss_fn],
                                 lambda: self.state.step)
         # Drift needs each rank's own compute time (`ComputeTimer`); under FSDP a rank's time
         # includes its wait for the slowest at every unit: the plan's balance stands.
-        watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto" and not plan.sharded
+        watch = ctx.distributed and cfg.cluster.rebalance and cfg.cluster.balance == "auto" and not plan.distributed_state
         self.balance = plan.balance
         if ctx.is_main:
             self.balance.save(self.run_dir / BALANCE_FILE)
@@ -326,18 +342,31 @@ class Trainer:
         st, tc = self.state, self.cfg.train
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(st.step, tc)
-        mine = self.balance.micro_positions(self.ctx.rank, st.consumed)
-        # this step's micro-batches, then the next step's: built while this one computes
-        self.loader_request(mine, self.balance.micro_positions(self.ctx.rank, st.consumed + self.balance.global_batch))
-        loss, _ = backward_share(self.par, self.data.train, self.data.order, mine, st.consumed, self.acc.tokens_per_step,
-                                 self.precision, self.scaler, self.device, self.data.loader, self.timer, self.loss_fn)
+        mine, following = (self.positions(st.consumed + k * self.balance.global_batch) for k in (0, 1))
+        self.loader_request(mine, following)  # this step's micro-batches, then the next step's: built meanwhile
+        if self.pipe is None:
+            loss, _ = backward_share(self.par, self.data.train, self.data.order, mine, st.consumed,
+                                     self.acc.tokens_per_step, self.precision, self.scaler, self.device,
+                                     self.data.loader, self.timer, self.loss_fn)
+        else:
+            loss = pipeline_share(self.pipe, mine, st.consumed, self.acc.tokens_per_step, self.params, self.precision,
+                                  self.scaler, self.data.loader, self.timer)
         compute_s = self.timer.step_seconds()  # on a GPU the previous step's, read without a sync
-        grad_norm = optimizer_step(self.optimizer, self.scaler, self.params, tc.grad_clip)
+        grad_norm = optimizer_step(self.optimizer, self.scaler, self.params, tc.grad_clip,
+                                   self.pipe.pp_group if self.pipe else None)
         if st.steps_this_call == 0:  # before the gradients go: what this rank holds, for the record
             self.held = local_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         st.step, st.steps_this_call, st.consumed = st.step + 1, st.steps_this_call + 1, st.consumed + self.balance.global_batch
         return StepResult(loss, grad_norm, compute_s, sum(n for _, n in mine))
+
+    def positions(self, consumed: int) -> list[tuple[int, int]]:
+        """This rank's micro-batches of the step at `consumed`; a pipeline's ranks take their
+        replica's, as one batch (its schedule cuts it)."""
+        if self.pipe is None:
+            return self.balance.micro_positions(self.ctx.rank, consumed)
+        parts = self.balance.micro_positions(self.pipe.replica, consumed)
+        return [(parts[0][0], sum(n for _, n in parts))] if parts else []
 
     def loader_request(self, *steps: list[tuple[int, int]]) -> None:
         for positions in steps:
@@ -433,7 +462,7 @@ class Trainer:
                       "hfu": acc.hw_flops_per_token * tok_s / acc.peak, "peak_mem_mb": peak_memory_mb(device),
                       "step_time_s": elapsed / steps, "tokens": st.consumed * tc.seq_len,
                       "loss_scale": float(self.scaler.get_scale()) if self.scaler.is_enabled() else 1.0}
-            if self.ctx.distributed:  # each rank's model FLOPs over the step's wall time, against its own peak
+            if self.ctx.distributed and self.pipe is None:  # each rank's model FLOPs over the step, against its peak
                 shares = self.balance.shares
                 record.update(rank_compute_s=st.rank_times, rank_samples=[s.samples for s in shares],
                               rank_mfu=[acc.flops_per_token * s.samples * tc.seq_len / (elapsed / steps) / p
@@ -448,6 +477,13 @@ class Trainer:
 
         def reduce_sum(t: torch.Tensor) -> torch.Tensor:
             return all_gather_rows(ctx, t).sum(0)
+
+        if self.pipe is not None:
+            self.model.eval()
+            part = evaluate_pipeline(self.pipe, self.data.val, self.cfg.train.micro_batch_size, self.device,
+                                     max_batches, self.data.byte_lengths, self.precision.autocast)
+            self.model.train()
+            return EvalResult.from_sums(*reduce_sum(torch.tensor(part, dtype=torch.float64)).tolist())
 
         return evaluate(self.model, self.data.val, self.cfg.train.micro_batch_size, self.device, max_batches,
                         self.data.byte_lengths, self.precision.autocast, ctx.rank, ctx.world_size,

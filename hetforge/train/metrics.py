@@ -11,7 +11,7 @@ import torch
 from hetforge.cluster.dist import DistContext, all_gather_object
 from hetforge.config import RunConfig
 from hetforge.core.metrics import read_metrics
-from hetforge.model.accounting import block_forward_flops, flops_per_token, matmul_params
+from hetforge.model.accounting import block_forward_flops, count_parameters, flops_per_token, matmul_params
 from hetforge.model.gpt_neox import GPTNeoXConfig
 from hetforge.scaling.flops import measure_matmul_peak
 
@@ -66,7 +66,8 @@ def account(cfg: RunConfig, ctx: DistContext, model: torch.nn.Module, shape: GPT
     fpt = flops_per_token(shape, tc.seq_len)
     hw_fpt = fpt + recompute_share * shape.n_layers * block_forward_flops(shape, 1, tc.seq_len)
     mine = tc.peak_tflops * 1e12 if tc.peak_tflops else measure_matmul_peak(device, dtype)
-    return Accounting(model.num_parameters(), fpt, hw_fpt, all_gather_object(ctx, mine), global_batch * tc.seq_len,
+    params = count_parameters(shape)["total"] if cfg.parallel.pipeline else model.num_parameters()  # a stage: the whole
+    return Accounting(params, fpt, hw_fpt, all_gather_object(ctx, mine), global_batch * tc.seq_len,
                       "configured" if tc.peak_tflops else "measured")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -21,6 +22,7 @@ from hetforge.core.precision import Precision
 from hetforge.data.loader import Prefetcher
 from hetforge.data.shards import PackedSamples, SampleOrder, batch_from_numpy
 from hetforge.train.parallel import ComputeTimer, Parallel
+from hetforge.train.pipeline import Pipeline, clip_over_stages
 
 
 class TokenLoss(torch.nn.Module):
@@ -82,11 +84,32 @@ class StepResult:
     samples: int
 
 
+def pipeline_share(pipe: Pipeline, micro_batches: list[tuple[int, int]], consumed: int, tokens_per_step: int,
+                   params: list[torch.nn.Parameter], precision: Precision, scaler: torch.amp.GradScaler,
+                   loader: Prefetcher, timer: ComputeTimer) -> torch.Tensor:
+    """This replica's micro-batches through its pipeline (one call of its schedule, which cuts
+    them), then the stage's gradients summed over the replicas. A replica with no samples runs
+    one micro-batch at weight zero. Returns this rank's part of the step loss."""
+    count = sum(n for _, n in micro_batches)
+    start = micro_batches[0][0] if micro_batches else consumed
+    x, y = loader.get(start, count or pipe.plan.micro_batch_size)
+    timer.start()
+    with precision.autocast():
+        loss = pipe.run(x, y, 1.0 if count else 0.0, tokens_per_step)
+    pipe.sync_gradients(params)
+    timer.stop(False)
+    return loss
+
+
 def optimizer_step(optimizer, scaler: torch.amp.GradScaler, params: list[torch.nn.Parameter],
-                   grad_clip: float) -> torch.Tensor:
-    """Unscale, clip, step (skipped, and the scale halved, if fp16 gradients overflowed); the norm."""
+                   grad_clip: float, stages: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Unscale, clip, step (skipped, and the scale halved, if fp16 gradients overflowed); the norm
+    (over the whole model: with `stages`, a pipeline's group, summed over its stages)."""
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    if stages is not None:
+        grad_norm = clip_over_stages(params, grad_clip if grad_clip > 0 else float("inf"), stages)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
     if isinstance(grad_norm, DTensor):  # sharded gradients: the norm is reduced over the shards
         grad_norm = grad_norm.full_tensor()
     scaler.step(optimizer)

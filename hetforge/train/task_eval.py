@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from hetforge.config import TrainConfig
+from hetforge.core.console import warn
 from hetforge.core.metrics import MetricsLogger
 from hetforge.core.precision import Precision
 from hetforge.data.tokenizer import load_tokenizer
@@ -24,8 +25,12 @@ from hetforge.evaluate.suite import score_tasks
 class TaskEval:
     """Checks the task names when the run starts (a typo fails before training, not at step N)."""
 
-    def __init__(self, tc: TrainConfig, tokenizer_path, device: torch.device, precision: Precision):
+    def __init__(self, tc: TrainConfig, tokenizer_path, device: torch.device, precision: Precision,
+                 enabled: bool = True):
         self.names = list(tc.eval_tasks)
+        if self.names and not enabled:  # a pipeline's stages have no whole model to score with
+            warn("train.eval_tasks are not scored under parallel.pipeline; score a checkpoint with hetforge eval")
+            self.names = []
         self.limit, self.shots, self.seq_len, self.batch = tc.eval_task_limit, tc.eval_task_shots, tc.seq_len, \
             tc.micro_batch_size
         self.device, self.precision = device, precision

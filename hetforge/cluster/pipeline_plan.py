@@ -1,0 +1,216 @@
+"""A pipeline's layout, decided once from the ranks' facts: blocks per stage, micro-batches per
+replica, each replica's schedule, and what that predicts.
+
+Ranks are stage-major: rank = stage x replicas + replica, so the replicas of a stage (whose
+gradients are reduced together every step) are neighbouring ranks, on one node where they fit,
+and only activations cross a stage boundary. A stage is as slow as its slowest rank; blocks are
+split to minimise the slowest stage's time per micro-batch (each rank's FLOP rate from its declared
+speed, else its card's peak at the run's precision), under each stage's memory: its parameters'
+weights, gradients and AdamW state, and the activations of the micro-batches it holds at once
+(1F1B: stages - stage, at most the micro-batch count; GPipe: all of them).
+
+Replicas get whole micro-batches of one size (a stage's buffers are sized by the first one): in
+proportion to their speed with `cluster.balance: auto`, equal parts with `equal`, and with `fixed`
+the `cluster.assignments` given per replica. A replica's step takes (micro-batches + stages - 1)
+slots of its slowest stage (the pipeline fills and drains once per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from hetforge.config import RunConfig
+from hetforge.core.errors import ConfigError
+from hetforge.core.hardware import lookup
+from hetforge.core.sizes import format_bytes
+from hetforge.memory.analytic import trace
+from hetforge.model.accounting import boundary_bytes, stage_flops_per_sample, stage_static_bytes
+from hetforge.model.gpt_neox import GPTNeoXConfig
+
+WORKSPACE = 1.15  # allocator and kernel scratch above what the stage's tensors need
+
+
+@dataclass
+class PipelinePlan:
+    stages: int
+    replicas: int
+    layers: list[int]  # blocks per stage, first to last
+    micro_batch_size: int
+    micro_batches: list[int]  # per replica
+    schedules: list[str]  # per replica: 1f1b | gpipe
+    stage_micro_s: list[float]  # a micro-batch's forward and backward on each stage (its slowest rank), relative
+    stage_bytes: list[float]  # predicted peak bytes of each stage's ranks
+    why: str
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.replicas
+
+    def replica_of(self, rank: int) -> int:
+        return rank % self.replicas
+
+    def blocks(self, stage: int) -> range:
+        start = sum(self.layers[:stage])
+        return range(start, start + self.layers[stage])
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        return [s * self.replicas + replica for s in range(self.stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [stage * self.replicas + r for r in range(self.replicas)]
+
+    def bubble(self, replica: int) -> float:
+        """The share of the replica's step its stages idle while the pipeline fills and drains."""
+        n = self.micro_batches[replica]
+        return (self.stages - 1) / (n + self.stages - 1) if n else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelinePlan":
+        return cls(**d)
+
+
+def rank_rates(devices: list[str], speeds: list[float | None], precision: str) -> list[float]:
+    """Relative FLOP rate of each rank: its declared speed where every rank declares one, else its
+    card's peak at the run's precision (a CPU, or a card not in the table: 1)."""
+    if all(s is not None for s in speeds):
+        return [float(s) for s in speeds]
+    out = []
+    for name in devices:
+        card = lookup(name) if name != "cpu" else None
+        out.append(card.peak_tflops(precision) if card is not None else 1.0)
+    return out
+
+
+def inflight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once."""
+    if schedule == "gpipe":
+        return micro_batches
+    return min(stages - stage, micro_batches)
+
+
+def split_blocks(n_layers: int, costs: list[tuple[float, float]], memory: list[float | None],
+                 bytes_of) -> list[int]:
+    """Blocks per stage minimising the slowest stage's time, within each stage's memory.
+    `costs[s]` = (seconds per block, fixed seconds of the stage: embedding or head, rate divisor
+    folded in); `bytes_of(stage, blocks)` = the stage's peak bytes. Exact (dynamic programming
+    over the cut points); raises ConfigError naming the stage and its shortfall when no split fits."""
+    stages = len(costs)
+    inf = float("inf")
+    # best[s][k]: the least max stage time of stages 0..s-1 covering the first k blocks
+    best = [[inf] * (n_layers + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n_layers + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(stages):
+        per_block, fixed = costs[s][0], costs[s][1]
+        for k in range(s, n_layers + 1):
+            if best[s][k] == inf:
+                continue
+            for n in range(1, n_layers - k - (stages - s - 1) + 1):
+                if memory[s] is not None and bytes_of(s, n) > memory[s]:
+                    break
+                t = max(best[s][k], fixed + n * per_block)
+                if t < best[s + 1][k + n]:
+                    best[s + 1][k + n], cut[s + 1][k + n] = t, n
+    if best[stages][n_layers] == inf:
+        need = [(s, bytes_of(s, 1), memory[s]) for s in range(stages) if memory[s] is not None and bytes_of(s, 1) > memory[s]]
+        if need:
+            s, b, m = need[0]
+            raise ConfigError(f"pipeline stage {s} does not fit even with one block: it needs {format_bytes(b)} of "
+                              f"{format_bytes(m)} (short by {format_bytes(b - m)}); use more stages or a smaller "
+                              f"micro-batch")
+        raise ConfigError(f"no split of {n_layers} blocks into {stages} stages fits every stage's memory; use more "
+                          f"stages, a smaller micro-batch, or declare parallel.pipeline.layers")
+    layers, k = [], n_layers
+    for s in range(stages, 0, -1):
+        layers.append(cut[s][k])
+        k -= cut[s][k]
+    return layers[::-1]
+
+
+def micro_counts(cfg: RunConfig, replicas: int, micro: int, replica_rates: list[float]) -> list[int]:
+    """Micro-batches per replica: fixed (cluster.assignments, one per replica), equal, or in
+    proportion to speed (largest remainders), all of `micro` samples."""
+    gb = cfg.train.global_batch_size
+    if cfg.cluster.balance == "fixed":
+        got = cfg.cluster.assignments
+        if len(got) != replicas:
+            raise ConfigError(f"cluster.assignments has {len(got)} entries for {replicas} pipeline replicas; under "
+                              f"parallel.pipeline give one per replica")
+        if any(a.micro_batch_size != micro or a.samples % micro for a in got):
+            raise ConfigError(f"under parallel.pipeline every replica's micro-batch is train.micro_batch_size={micro} "
+                              f"and its samples a multiple of it (cluster.assignments: "
+                              f"{[(a.samples, a.micro_batch_size) for a in got]})")
+        return [a.samples // micro for a in got]
+    if gb % micro:
+        raise ConfigError(f"under parallel.pipeline the global batch ({gb} samples) must be a multiple of "
+                          f"train.micro_batch_size ({micro}): replicas take whole micro-batches")
+    total = gb // micro
+    weights = [1.0] * replicas if cfg.cluster.balance == "equal" else replica_rates
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(e) for e in exact]
+    for r in sorted(range(replicas), key=lambda r: counts[r] - exact[r])[:total - sum(counts)]:
+        counts[r] += 1
+    return counts
+
+
+def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], speeds: list[float | None],
+                  memory: list[float | None], precision: str, head_dim: int) -> PipelinePlan:
+    """The layout for `cfg.parallel.pipeline` on these ranks (in rank order)."""
+    pc, world = cfg.parallel.pipeline, len(devices)
+    stages, seq, micro = pc.stages, cfg.train.seq_len, cfg.train.micro_batch_size
+    if world % stages:
+        raise ConfigError(f"parallel.pipeline.stages={stages} does not divide the {world} ranks of this job; "
+                          f"launch a multiple of {stages} ranks")
+    if stages > shape.n_layers:
+        raise ConfigError(f"parallel.pipeline.stages={stages} is more than the model's {shape.n_layers} blocks")
+    replicas = world // stages
+    rates = rank_rates(devices, speeds, precision)
+    stage_rate = [min(rates[s * replicas + r] for r in range(replicas)) for s in range(stages)]
+    replica_rate = [min(rates[s * replicas + r] for s in range(stages)) for r in range(replicas)]
+    counts = micro_counts(cfg, replicas, micro, replica_rate)
+    schedules = [_schedule(pc.schedule, n, stages) for n in counts]
+    stage_mem = [min((memory[s * replicas + r] for r in range(replicas) if memory[s * replicas + r] is not None),
+                     default=None) for s in range(stages)]
+    t = trace(shape, micro, seq, precision, head_dim)
+    block_act, head_act = sum(u.bytes for u in t.units), t.head_held
+    elt = 4 if precision == "fp32" else 2
+    most = max(counts, default=1) or 1
+
+    def bytes_of(s: int, n: int) -> float:
+        first, last = s == 0, s == stages - 1
+        held = inflight(schedules[0] if len(set(schedules)) == 1 else "gpipe", stages, s, most)
+        act = held * (n * block_act + (head_act if last else 0.0))
+        buffers = 4 * boundary_bytes(shape, micro, seq, elt)  # received activations and sent gradients
+        return WORKSPACE * (stage_static_bytes(shape, n, first, last) + act + buffers)
+
+    def cost(s: int, n: int) -> float:
+        return stage_flops_per_sample(shape, seq, n, s == stages - 1) * micro / stage_rate[s]
+
+    costs = [(cost(s, 1) - cost(s, 0), cost(s, 0)) for s in range(stages)]
+    if pc.layers is not None:
+        layers, how = list(pc.layers), "as configured"
+        for s, n in enumerate(layers):
+            if stage_mem[s] is not None and bytes_of(s, n) > stage_mem[s]:
+                raise ConfigError(f"pipeline stage {s} ({n} blocks) needs {format_bytes(bytes_of(s, n))} but its "
+                                  f"ranks have {format_bytes(stage_mem[s])} (short by "
+                                  f"{format_bytes(bytes_of(s, n) - stage_mem[s])}); move blocks off it")
+    else:
+        layers = split_blocks(shape.n_layers, costs, stage_mem, bytes_of)
+        how = "sized to each stage's speed and memory"
+    micro_s = [cost(s, n) for s, n in enumerate(layers)]
+    why = (f"{stages} stages x {replicas} replica(s), blocks {'+'.join(map(str, layers))} ({how}); "
+           f"micro-batches of {micro}: {', '.join(f'{n} {sch}' for n, sch in zip(counts, schedules))}")
+    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s,
+                        [bytes_of(s, n) for s, n in enumerate(layers)], why)
+
+
+def _schedule(setting: str, micro_batches: int, stages: int) -> str:
+    """1F1B needs at least as many micro-batches as stages (PyTorch's check); GPipe runs any count."""
+    if setting == "auto":
+        return "1f1b" if micro_batches >= stages else "gpipe"
+    if setting == "1f1b" and 0 < micro_batches < stages:
+        raise ConfigError(f"parallel.pipeline.schedule=1f1b needs at least {stages} micro-batches per replica (one "
+                          f"per stage); a replica has {micro_batches}: use schedule gpipe or auto, or a larger batch")
+    return setting

@@ -1,0 +1,189 @@
+"""Pipeline parallelism as the run's plan lays it out, on PyTorch's own engine
+(`torch.distributed.pipelining`: a `PipelineStage` per rank, `Schedule1F1B` or `ScheduleGPipe`).
+
+Each rank keeps the whole model object pruned to its stage: its blocks in place (the others
+replaced by empty modules), the input embedding on the first stage, the final norm and output
+projection on the last. Parameter names stay the whole model's, so checkpoints (DCP, by name)
+resume on any other layout, sharded or not, and back.
+
+The update is the one-process update on the global batch: a micro-batch's loss is its summed token
+loss over the global batch's token count (scale_grads off), the replicas' gradients of a stage are
+summed, and the gradient norm for clipping is taken over all stages. A replica with no samples in a
+step runs one micro-batch at weight zero, so that every collective still has all its ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from hetforge.cluster.pipeline_plan import PipelinePlan
+from hetforge.data.shards import batch_from_numpy
+from hetforge.model.gpt_neox import GPTNeoX
+
+
+class _Absent(nn.Module):
+    """Where a part of the model lives on another stage: no parameters, never called."""
+
+    def forward(self, *args):
+        raise RuntimeError("this part of the model is on another pipeline stage")
+
+
+def prune_to_stage(model: GPTNeoX, blocks: range, first: bool, last: bool) -> GPTNeoX:
+    """The model with only this stage's parts (others replaced by parameterless modules, names kept)."""
+    for i in range(len(model.layers)):
+        if i not in blocks:
+            model.layers[i] = _Absent()
+    if not first:
+        model.embed_in = _Absent()
+    if not last:
+        model.final_layer_norm = _Absent()
+        model.embed_out = _Absent()
+    return model
+
+
+class StageModule(nn.Module):
+    """One stage's forward: token ids or hidden states in, hidden states or logits out."""
+
+    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.model, self.blocks, self.first, self.last = model, blocks, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        h = m.emb_dropout(m.embed_in(x)) if self.first else x
+        cos, sin = m.rotary.cos_sin(h.shape[1], h.device)
+        for i in self.blocks:
+            h = m.layers[i](h, cos, sin)
+        return m.embed_out(m.final_layer_norm(h)) if self.last else h
+
+
+class StageLoss:
+    """The last stage's loss per micro-batch: summed token cross-entropy x weight / tokens."""
+
+    def __init__(self, loss_fn: nn.Module):
+        self.loss_fn, self.weight, self.tokens = loss_fn, 1.0, 1
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(logits, targets) * self.weight / self.tokens
+
+
+@dataclass
+class Pipeline:
+    """What the loop needs of this rank's stage."""
+
+    plan: PipelinePlan
+    stage_index: int
+    replica: int
+    module: StageModule
+    stage: PipelineStage
+    schedule: object
+    loss: StageLoss
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None
+
+    @property
+    def first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage_index == self.plan.stages - 1
+
+    @property
+    def micro_batches(self) -> int:
+        return self.plan.micro_batches[self.replica]
+
+    def run(self, x: torch.Tensor, y: torch.Tensor, weight: float, tokens_per_step: int,
+            backward: bool = True) -> torch.Tensor:
+        """The replica's micro-batches through the stages (`x` and `y` whole: the schedule cuts
+        them); this rank's part of the step loss (the last stage's sum, float64; 0 elsewhere)."""
+        self.loss.weight, self.loss.tokens = weight, tokens_per_step
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if backward else self.schedule.eval
+        if self.first:
+            run(x)
+        elif self.last:
+            run(target=y, losses=losses)
+        else:
+            run()
+        total = torch.zeros((), dtype=torch.float64, device=y.device)
+        for loss in losses:
+            total += loss.detach().double()
+        return total
+
+    def sync_gradients(self, params: list[nn.Parameter]) -> None:
+        """Sum the stage's gradients over its replicas (one flat all-reduce)."""
+        if self.dp_group is None:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=self.dp_group)
+        at = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[at:at + n].view_as(p.grad))
+            at += n
+
+
+def clip_over_stages(params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """`clip_grad_norm_` for a model cut into stages: the norm over every stage's gradients (the
+    squared norms summed over the pipeline), each stage's gradients scaled alike."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    square = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        square += torch.linalg.vector_norm(g.float()) ** 2
+    dist.all_reduce(square, group=group)
+    norm = square.sqrt()
+    if max_norm > 0 and math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def build_pipeline(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.device, loss_fn: nn.Module) -> Pipeline:
+    """This rank's stage and its replica's schedule. Every rank creates every group, in one order."""
+    pp_groups = [dist.new_group(plan.pipeline_ranks(r)) for r in range(plan.replicas)]
+    dp_groups = [dist.new_group(plan.stage_ranks(s)) if plan.replicas > 1 else None for s in range(plan.stages)]
+    s, r = plan.stage_of(rank), plan.replica_of(rank)
+    module = StageModule(model, plan.blocks(s), s == 0, s == plan.stages - 1)
+    stage = PipelineStage(module, s, plan.stages, device, group=pp_groups[r])
+    loss = StageLoss(loss_fn)
+    n = max(plan.micro_batches[r], 1)  # a replica with no samples runs one micro-batch at weight zero
+    kind = Schedule1F1B if plan.schedules[r] == "1f1b" else ScheduleGPipe
+    schedule = kind(stage, n, loss_fn=loss, scale_grads=False)
+    return Pipeline(plan, s, r, module, stage, schedule, loss, pp_groups[r], dp_groups[s])
+
+
+@torch.no_grad()
+def evaluate_pipeline(pipe: Pipeline, samples, batch_size: int, device: torch.device, max_batches: int | None,
+                      byte_lengths: list[int] | None, autocast) -> tuple[float, int, float]:
+    """(summed NLL, tokens, bytes) of this replica's validation batches (replica r takes batches
+    r, r + replicas, ...; each of `batch_size` samples, the size the stages' buffers have): the
+    last stage's figures, 0 elsewhere, for the caller to sum over all ranks."""
+    plan = pipe.plan
+    per_batch = batch_size * pipe.micro_batches if pipe.micro_batches else batch_size
+    n = len(samples) // per_batch * per_batch
+    if max_batches is not None:
+        n = min(n, max_batches * per_batch)
+    lengths = torch.tensor(byte_lengths, dtype=torch.float64) if byte_lengths else None
+    nll, tokens, nbytes = 0.0, 0, 0.0
+    for start in range(pipe.replica * per_batch, n, plan.replicas * per_batch):
+        x, y = batch_from_numpy(samples.batch(list(range(start, start + per_batch))), device)
+        with autocast():
+            total = pipe.run(x, y, 1.0, 1, backward=False)
+        if pipe.last:
+            nll += float(total)
+            tokens += y.numel()
+            if lengths is not None:
+                nbytes += float(lengths[y.flatten().cpu().clamp_max(len(lengths) - 1)].sum())
+    return nll, tokens, nbytes

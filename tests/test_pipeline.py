@@ -1,0 +1,182 @@
+"""Pipeline parallelism on torch.distributed.pipelining (gloo, 2-4 ranks, tiny models): the update
+equals one process's on the same global batch, with uneven stages and unequal replica shares;
+checkpoints reshard between a pipeline and other layouts; the layout is decided from recorded
+inputs, with one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hetforge.cluster.pipeline_plan import PipelinePlan, inflight, micro_counts, plan_pipeline, split_blocks
+from hetforge.config import ConfigError, build_config
+from hetforge.model.gpt_neox import GPTNeoXConfig
+from hetforge.train.loop import train
+from tests.conftest import tiny_raw
+from tests.test_distributed import losses, max_diff, run_train
+from tests.test_sharded import weights
+
+
+def cpus(n: int) -> dict:
+    return {"nodes": [{"host": "localhost", "devices": [{"type": "cpu"} for _ in range(n)]}]}
+
+
+def piped(make_cfg, name: str, world: int, stages: int, shares=None, layers=None, n_layers=2, **train_kw):
+    cfg = make_cfg(name, **train_kw)
+    cluster = cpus(world)
+    if shares is not None:
+        cluster.update(balance="fixed", assignments=[{"samples": n, "micro_batch_size": b} for n, b in shares])
+    raw = cfg.model_dump(mode="json")
+    raw["cluster"] = cluster
+    raw["model"]["n_layers"] = n_layers
+    raw["parallel"] = {"pipeline": {"stages": stages, **({"layers": layers} if layers else {})}}
+    return build_config(raw)
+
+
+def reference_run(root: Path, data_dir: Path, n_layers: int, steps: int = 5):
+    raw = tiny_raw(root / f"ref{n_layers}", data_dir, steps=steps, micro_batch_size=8, checkpoint_interval=steps,
+                   eval_interval=1000)
+    raw["model"]["n_layers"] = n_layers
+    cfg = build_config(raw)
+    train(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory, data_dir):
+    root = tmp_path_factory.mktemp("pipe-ref")
+    return {n: reference_run(root, data_dir, n) for n in (2, 4)}
+
+
+CASES = {  # world, stages, replica shares (samples, micro-batch) or None (equal), blocks per stage, model blocks
+    "2-stages": (2, 2, None, None, 2),
+    "2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 2),
+    "2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 2),
+    "uneven-1+3": (2, 2, None, [1, 3], 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipeline_update_equals_one_process(make_cfg, tmp_path, refs, case):
+    world, stages, shares, layers, n_layers = CASES[case]
+    cfg = piped(make_cfg, f"pipe-{case}", world, stages, shares, layers, n_layers, steps=5, micro_batch_size=2,
+                global_batch_tokens=8 * 32, checkpoint_interval=5, eval_interval=1000)
+    res = run_train(cfg, world, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "data parallelism: pipeline" in res.stdout
+    ref = refs[n_layers]
+    got, want = losses(cfg), losses(ref)
+    assert sorted(got) == list(range(1, 6))
+    assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in want), (got, want)
+    assert max_diff(weights(cfg), weights(ref)) <= 2e-4
+    plan = json.loads((Path(cfg.run_dir) / "plan.json").read_text())
+    assert plan["strategy"] == "pipeline" and sum(plan["pipeline"]["layers"]) == n_layers
+    if layers:
+        assert plan["pipeline"]["layers"] == layers
+    if shares:
+        assert [s["samples"] for s in plan["balance"]["shares"]] == [n for n, _ in shares]
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_on_fsdp_and_one_process(make_cfg, tmp_path, data_dir):
+    """Two steps as a 2-stage pipeline, two under FSDP on 2 ranks, two in one process: the sample
+    sequence and losses are one uninterrupted process's."""
+    ref = reference_run(tmp_path, data_dir, 2, steps=6)
+    base = make_cfg("chain-pipe", steps=6, micro_batch_size=8, checkpoint_interval=2, eval_interval=1000)
+    pipe = piped(make_cfg, "chain-pipe", 2, 2, steps=6, micro_batch_size=2, global_batch_tokens=8 * 32,
+                 checkpoint_interval=2, eval_interval=1000)
+    assert run_train(pipe, 2, tmp_path, "--stop-after", "2").returncode == 0
+    fsdp = base.model_copy(update={
+        "cluster": type(base.cluster).model_validate({**cpus(2), "balance": "fixed", "assignments": [
+            {"samples": 3, "micro_batch_size": 3}, {"samples": 5, "micro_batch_size": 5}]}),
+        "parallel": type(base.parallel).model_validate({"strategy": "fsdp"})})
+    res = run_train(fsdp, 2, tmp_path, "--stop-after", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert train(base, stop_after=2).step == 6
+    got, want = losses(base), losses(ref)
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+    assert max_diff(weights(base), weights(ref)) <= 2e-4
+
+
+# --- the layout, from recorded inputs ------------------------------------------------------------
+SHAPE = GPTNeoXConfig(n_layers=8, d_model=64, n_heads=4, d_ff=256, vocab_size=512)
+
+
+def test_blocks_follow_speed_and_memory():
+    # per block 1 s on a rate-1 stage; the last stage also runs the head (3 s)
+    even = split_blocks(8, [(1.0, 0.0), (1.0, 3.0)], [None, None], lambda s, n: 0.0)
+    assert even == [5, 3]  # 5 vs 3 + 3: the head's stage takes fewer blocks
+    fast_first = split_blocks(8, [(0.5, 0.0), (1.0, 3.0)], [None, None], lambda s, n: 0.0)
+    assert fast_first == [7, 1]  # a twice-as-fast card carries more: 7 x 0.5 against 1 + 3
+    # the first stage holds at most 3 blocks: the split moves blocks to the next stage
+    capped = split_blocks(8, [(1.0, 0.0), (1.0, 3.0)], [3.0, None], lambda s, n: float(n))
+    assert capped == [3, 5]
+    with pytest.raises(ConfigError, match="stage 0 does not fit even with one block: it needs 2 B of 1 B \\(short by 1 B\\)"):
+        split_blocks(8, [(1.0, 0.0), (1.0, 0.0)], [1.0, None], lambda s, n: float(n + 1))
+
+
+def test_inflight_micro_batches_follow_the_schedule():
+    assert [inflight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
+    assert [inflight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
+    assert inflight("gpipe", 4, 0, 8) == 8
+
+
+def _cfg(world: int, stages: int, **over):
+    raw = {"model": {"preset": None, "n_layers": 8, "d_model": 64, "n_heads": 4},
+           "train": {"seq_len": 32, "micro_batch_size": 2, "global_batch_tokens": 16 * 32},
+           "parallel": {"pipeline": {"stages": stages, **over.pop("pipeline", {})}}, **over}
+    return build_config(raw)
+
+
+def test_a_pipeline_plan_on_declared_cards():
+    """Two stages of one V100-32GB and one P100-16GB each, two replicas: the faster card's stage
+    carries more blocks; replicas get equal micro-batch counts; ranks are stage-major."""
+    cfg = _cfg(4, 2)
+    plan = plan_pipeline(cfg, SHAPE, ["V100-32GB", "V100-32GB", "P100", "P100"], [None] * 4,
+                         [32 * 2**30] * 2 + [16 * 2**30] * 2, "fp32", 16)
+    assert plan.layers[0] > plan.layers[1] and sum(plan.layers) == 8
+    assert plan.micro_batches == [4, 4] and plan.schedules == ["1f1b", "1f1b"]
+    assert [plan.stage_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert plan.pipeline_ranks(1) == [1, 3] and plan.stage_ranks(1) == [2, 3]
+    assert PipelinePlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_replica_shares_by_speed_and_whole_micro_batches():
+    cfg = _cfg(4, 2)
+    assert micro_counts(cfg, 2, 2, [1.0, 3.0]) == [2, 6]
+    fixed = _cfg(4, 2, cluster={**cpus(4), "balance": "fixed", "assignments": [
+        {"samples": 3, "micro_batch_size": 3}, {"samples": 13, "micro_batch_size": 3}]})
+    with pytest.raises(ConfigError, match="every replica's micro-batch is train.micro_batch_size=2"):
+        micro_counts(fixed, 2, 2, [1.0, 1.0])
+
+
+@pytest.mark.parametrize("world,over,message", [
+    (3, {}, "parallel.pipeline.stages=2 does not divide the 3 ranks"),
+    (2, {"pipeline": {"layers": [2, 2]}}, None),
+    (2, {"pipeline": {"stages": 2, "schedule": "1f1b"}, "train": {"seq_len": 32, "micro_batch_size": 16,
+                                                                   "global_batch_tokens": 16 * 32}},
+     "schedule=1f1b needs at least 2 micro-batches per replica"),
+])
+def test_layout_errors_are_one_line(world, over, message):
+    if message is None:  # a split that does not cover the model: refused when the config is read
+        with pytest.raises(ValueError, match="cover 4 blocks but the model has 8"):
+            _cfg(world, 2, **over)
+        return
+    pipeline = over.pop("pipeline", {})
+    pipeline.pop("stages", None)
+    cfg = _cfg(world, 2, pipeline=pipeline, **over)
+    with pytest.raises(ConfigError, match=message):
+        plan_pipeline(cfg, SHAPE, ["cpu"] * world, [None] * world, [None] * world, "fp32", 16)
+
+
+def test_pipeline_config_errors():
+    with pytest.raises(ValueError, match="needs untied embeddings"):
+        _cfg(2, 2, model={"preset": None, "n_layers": 8, "d_model": 64, "n_heads": 4, "tie_embeddings": True})
+    with pytest.raises(ValueError, match="strategy=fsdp"):
+        build_config({"parallel": {"strategy": "fsdp", "pipeline": {"stages": 2}}})
+    with pytest.raises(ValueError, match="2 entries for 3 stages"):
+        build_config({"parallel": {"pipeline": {"stages": 3, "layers": [1, 1]}}})
