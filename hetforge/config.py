@@ -301,6 +301,9 @@ class ClusterConfig(_Strict):
     # A peer that stops answering (hung, stopped, its node gone) is reported after this long; a
     # checkpoint or a prepare on rank 0 happens outside collectives and does not count against it.
     collective_timeout_s: float = Field(300.0, gt=0)
+    # Between nodes, in Gbit/s as Ethernet is sold (1, 10, 25): what a collective or a pipeline's
+    # activations pay where they cross nodes. None: the link within a node (parallel.link_gbps).
+    inter_node_gbit: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "ClusterConfig":
@@ -363,7 +366,8 @@ class MeshConfig(_Strict):
 
 class PipelineConfig(_Strict):
     """Pipeline parallelism on `torch.distributed.pipelining`: the blocks cut into `stages`
-    consecutive stages, one per rank of a pipeline, and world / stages pipelines (replicas) side by
+    consecutive stages (auto: the planner compares pipelines of every stage count with data
+    parallelism and trains the fastest layout that fits), one per rank of a pipeline, and world / stages pipelines (replicas) side by
     side with data parallelism between them. Ranks are stage-major (rank = stage x replicas +
     replica), so a stage's replicas are neighbouring ranks, on one node where they fit: gradients
     are reduced within a node and only activations cross a stage boundary.
@@ -373,12 +377,19 @@ class PipelineConfig(_Strict):
     activations) or gpipe (all forwards, then all backwards); auto = 1f1b where a pipeline has at
     least as many micro-batches as stages, else gpipe."""
 
-    stages: int = Field(ge=2)
+    stages: int | Literal["auto"] = Field(...)
     layers: list[int] | None = None
     schedule: Literal["auto", "1f1b", "gpipe"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineConfig":
+        if self.stages == "auto":
+            if self.layers is not None:
+                raise ValueError("parallel.pipeline.layers needs a stage count, not stages: auto")
+            return self
+        if self.stages < 2:
+            raise ValueError(f"parallel.pipeline.stages must be at least 2 (got {self.stages}); leave the pipeline "
+                             f"out for none")
         if self.layers is not None:
             if len(self.layers) != self.stages:
                 raise ValueError(f"parallel.pipeline.layers has {len(self.layers)} entries for {self.stages} stages; "
@@ -470,6 +481,9 @@ class RunConfig(_Strict):
         if self.memory.active:
             raise ValueError("parallel.pipeline with an activation plan (memory.*) is not supported; each stage "
                              "keeps its activations")
+        if pipe.stages == "auto" and self.cluster.balance == "fixed":
+            raise ValueError("parallel.pipeline.stages: auto with cluster.balance: fixed: the assignments are per "
+                             "replica, and the replicas are not known until the layout is chosen; give the stages")
         return self
 
     @model_validator(mode="after")

@@ -180,3 +180,53 @@ def test_pipeline_config_errors():
         build_config({"parallel": {"strategy": "fsdp", "pipeline": {"stages": 2}}})
     with pytest.raises(ValueError, match="2 entries for 3 stages"):
         build_config({"parallel": {"pipeline": {"stages": 3, "layers": [1, 1]}}})
+
+
+# --- which layout: data parallelism or a pipeline, at the declared links (recorded inputs) ---------
+from hetforge.cluster.layouts import Links, candidates, choose  # noqa: E402
+from hetforge.model.accounting import collective_bytes_per_step  # noqa: E402
+
+BIG = GPTNeoXConfig(n_layers=8, d_model=1024, n_heads=8, d_ff=4096, vocab_size=8192)
+GIB = 2**30
+
+
+def _layouts(inter_gbit: float):
+    """Two nodes of two V100s declared at 0.8 GiB each: the whole training state (1.9 GiB) fits
+    neither one node's pair (DDP, ZeRO, FSDP within nodes, a 2-stage pipeline replicated per node)
+    nor anything but FSDP over all four ranks or a 4-stage pipeline."""
+    cfg = build_config({"model": {"preset": None, "n_layers": 8, "d_model": 1024, "n_heads": 8},
+                        "train": {"seq_len": 128, "micro_batch_size": 1, "global_batch_tokens": 16 * 128},
+                        "parallel": {"pipeline": {"stages": "auto"}}})
+    links = Links(10e9, inter_gbit * 1e9 / 8, 50e-6)
+    return cfg, links, candidates(cfg, BIG, ["V100"] * 4, [0, 0, 1, 1], [None] * 4, [0.8 * GIB] * 4, "fp32", 128,
+                                  links)
+
+
+def test_a_slow_link_picks_the_pipeline_and_a_fast_one_fsdp():
+    cfg, links, slow = _layouts(1.0)
+    fits = {c.layout.split(" (")[0] for c in slow if c.fits}
+    assert fits == {"fsdp", "pipeline 4 stages x 1"}
+    best, line = choose(slow)
+    assert best.stages == 4 and "against fsdp's" in line
+    fsdp = next(c for c in slow if c.layout == "fsdp")
+    # FSDP's step is its collectives: each micro-batch gathers the weights twice and reduce-scatters
+    # the gradients, over the inter-node link (ring: (4-1)/4 of the buffer each)
+    sent = collective_bytes_per_step(BIG, "fsdp", 4, 4, 4)
+    assert fsdp.comm_s == pytest.approx(sent / links.inter_bytes_per_s + 8 * links.latency_s)
+    assert fsdp.step_s == fsdp.comm_s > 100 * best.step_s
+    # the pipeline's: 16 micro-batches + 3 fill/drain slots of its slowest stage
+    assert best.bubble == pytest.approx(3 / 19)
+    _, _, fast = _layouts(800.0)
+    best_fast, line_fast = choose(fast)
+    assert best_fast.layout == "fsdp" and best_fast.step_s == pytest.approx(best_fast.compute_s)
+    assert "against pipeline 4 stages" in line_fast
+
+
+def test_no_layout_fitting_names_the_closest():
+    cfg = build_config({"model": {"preset": None, "n_layers": 8, "d_model": 1024, "n_heads": 8},
+                        "train": {"seq_len": 128, "micro_batch_size": 1, "global_batch_tokens": 16 * 128},
+                        "parallel": {"pipeline": {"stages": "auto"}}})
+    cands = candidates(cfg, BIG, ["V100"] * 2, [0, 1], [None] * 2, [0.1 * GIB] * 2, "fp32", 128,
+                       Links(10e9, 1e9, 50e-6))
+    with pytest.raises(ConfigError, match=r"no layout fits: the least memory-hungry \(fsdp\) needs"):
+        choose(cands)

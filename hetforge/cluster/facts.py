@@ -19,6 +19,7 @@ import torch
 
 from hetforge.cluster.balance import fit_link
 from hetforge.cluster.dist import DistContext, all_gather_object
+from hetforge.cluster.layouts import Links
 from hetforge.cluster.probe import proxy_model, time_all_gathers, time_steps
 from hetforge.cluster.run_plan import Link, RankFacts, RankView
 from hetforge.cluster.spec import Slowdown, device_memory_bytes, device_name, rank_device
@@ -34,8 +35,6 @@ from hetforge.memory.profile import profile_model
 from hetforge.model.accounting import ShardLayout, flops_per_token
 from hetforge.model.gpt_neox import GPTNeoX, GPTNeoXConfig, set_head_padding
 
-ASSUMED_LINK_GBPS = 10.0  # between ranks, where neither declared nor measured (`hetforge plan --cluster`)
-LINK_LATENCY_S = 50e-6  # per collective, where the link is declared
 LINK_PROBE_BYTES = (4096, 16 << 20)  # the all-gathers that time the link: latency, and bandwidth
 CPU = Capability("cpu", "cpu", None, None, bf16=False, fast_fp16=False)
 
@@ -158,10 +157,8 @@ class DeclaredFacts:
 
 
 def declared_link(cfg: RunConfig) -> Link:
-    pc = cfg.parallel
-    if pc.link_gbps:
-        return Link(pc.link_latency_us * 1e-6, pc.link_gbps * 1e9, "declared")
-    return Link(LINK_LATENCY_S, ASSUMED_LINK_GBPS * 1e9, "assumed")
+    links = Links.declared(cfg)
+    return Link(links.latency_s, links.intra_bytes_per_s, "declared" if cfg.parallel.link_gbps else "assumed")
 
 
 # ------------------------------------------------------------------------------------------- ranks

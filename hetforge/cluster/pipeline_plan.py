@@ -4,8 +4,9 @@ replica, each replica's schedule, and what that predicts.
 Ranks are stage-major: rank = stage x replicas + replica, so the replicas of a stage (whose
 gradients are reduced together every step) are neighbouring ranks, on one node where they fit,
 and only activations cross a stage boundary. A stage is as slow as its slowest rank; blocks are
-split to minimise the slowest stage's time per micro-batch (each rank's FLOP rate from its declared
-speed, else its card's peak at the run's precision), under each stage's memory: its parameters'
+split to minimise the slowest stage's time per micro-batch (each rank's FLOP rate from its card's
+peak at the run's precision, in the ratios of declared speeds where every rank has one), under
+each stage's memory: its parameters'
 weights, gradients and AdamW state, and the activations of the micro-batches it holds at once
 (1F1B: stages - stage, at most the micro-batch count; GPipe: all of them).
 
@@ -23,11 +24,12 @@ from hetforge.config import RunConfig
 from hetforge.core.errors import ConfigError
 from hetforge.core.hardware import lookup
 from hetforge.core.sizes import format_bytes
-from hetforge.memory.analytic import trace
+from hetforge.memory.analytic import EFFICIENCY, trace
 from hetforge.model.accounting import boundary_bytes, stage_flops_per_sample, stage_static_bytes
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 WORKSPACE = 1.15  # allocator and kernel scratch above what the stage's tensors need
+CPU_TFLOPS = 0.2  # a CPU rank's peak where train.peak_tflops does not say
 
 
 @dataclass
@@ -71,15 +73,18 @@ class PipelinePlan:
         return cls(**d)
 
 
-def rank_rates(devices: list[str], speeds: list[float | None], precision: str) -> list[float]:
-    """Relative FLOP rate of each rank: its declared speed where every rank declares one, else its
-    card's peak at the run's precision (a CPU, or a card not in the table: 1)."""
-    if all(s is not None for s in speeds):
-        return [float(s) for s in speeds]
+def rank_rates(cfg: RunConfig, devices: list[str], speeds: list[float | None], precision: str) -> list[float]:
+    """FLOP/s each rank reaches training: its card's peak at the run's precision times the
+    roofline's efficiency (a CPU's from train.peak_tflops, else an assumed figure: between CPUs only
+    the ratios matter); declared speeds, where every rank has one, set the ratios instead."""
     out = []
     for name in devices:
         card = lookup(name) if name != "cpu" else None
-        out.append(card.peak_tflops(precision) if card is not None else 1.0)
+        peak = card.peak_tflops(precision) if card is not None else (cfg.train.peak_tflops or CPU_TFLOPS)
+        out.append(peak * 1e12 * EFFICIENCY)
+    if all(s is not None for s in speeds):
+        mean_speed, mean_rate = sum(speeds) / len(speeds), sum(out) / len(out)
+        out = [mean_rate * s / mean_speed for s in speeds]
     return out
 
 
@@ -166,7 +171,7 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
     if stages > shape.n_layers:
         raise ConfigError(f"parallel.pipeline.stages={stages} is more than the model's {shape.n_layers} blocks")
     replicas = world // stages
-    rates = rank_rates(devices, speeds, precision)
+    rates = rank_rates(cfg, devices, speeds, precision)
     stage_rate = [min(rates[s * replicas + r] for r in range(replicas)) for s in range(stages)]
     replica_rate = [min(rates[s * replicas + r] for s in range(stages)) for r in range(replicas)]
     counts = micro_counts(cfg, replicas, micro, replica_rate)

@@ -26,10 +26,11 @@ from typing import Any, Callable, Protocol
 
 from hetforge.cluster.balance import (BalanceError, BalancePlan, RankInfo, RankShare, TimeModel, balanced_plan,
                                       choose_accumulation, collective_seconds, equal_counts, equal_plan, fixed_plan)
+from hetforge.cluster.layouts import Links, candidates, choose
 from hetforge.cluster.pipeline_plan import PipelinePlan, plan_pipeline
 from hetforge.cluster.probe import (WORKSPACE_MARGIN, candidate_sizes, largest_fitting, micro_batches_within,
                                     planned_points, planned_step_costs)
-from hetforge.config import ConfigError, RunConfig
+from hetforge.config import ConfigError, MeshConfig, RunConfig
 from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.core.hardware import Capability, compile_decision, padded_head_dim, run_precision, sdpa_backend
 from hetforge.core.sizes import format_bytes
@@ -151,6 +152,7 @@ class RunPlan:
     fingerprint: str = ""
     facts: dict = field(default_factory=dict)  # what it was decided on
     pipeline: PipelinePlan | None = None  # strategy "pipeline": stages, blocks, micro-batches per replica
+    layouts: list[dict] = field(default_factory=list)  # pipeline stages auto: every layout priced (layouts.Candidate)
 
     @property
     def sharded(self) -> bool:
@@ -188,7 +190,7 @@ class RunPlan:
                 "balance": self.balance.to_dict(), "ranks": [asdict(r) for r in self.ranks],
                 "link": asdict(self.link) if self.link else None, "predicted_step_s": self.predicted_step_s,
                 "step_parts": self.step_parts, "why": self.why, "fingerprint": self.fingerprint, "facts": self.facts,
-                "pipeline": self.pipeline.to_dict() if self.pipeline else None}
+                "pipeline": self.pipeline.to_dict() if self.pipeline else None, "layouts": self.layouts}
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunPlan":
@@ -196,7 +198,8 @@ class RunPlan:
                    tuple(d["mesh"]) if d["mesh"] else None, d["unit_params"], d["offload"], d["accumulation"],
                    BalancePlan.from_dict(d["balance"]), [RankPlan(**r) for r in d["ranks"]],
                    Link(**d["link"]) if d["link"] else None, d["predicted_step_s"], d["step_parts"], d["why"],
-                   d["fingerprint"], d["facts"], PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None)
+                   d["fingerprint"], d["facts"], PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
+                   d.get("layouts", []))
 
     def save(self, run_dir: Path) -> Path:
         """`RUN/plan.json`, and the same as tables in `RUN/plan.txt`."""
@@ -221,6 +224,8 @@ class RunPlan:
         rows = [("precision", self.precision), ("strategy", self.strategy), ("compile", "on" if self.compile else "off")]
         if self.sharded:
             rows.append(("accumulation", self.accumulation))
+        if self.layouts:
+            rows.append(("layout", self.why["layout"].split(":")[0]))
         if self.pipeline is not None:
             rows.append(("pipeline", f"{self.pipeline.stages} stages x {self.pipeline.replicas} replica(s), blocks "
                                      f"{'+'.join(map(str, self.pipeline.layers))}"))
@@ -230,8 +235,9 @@ class RunPlan:
             parts = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in self.step_parts.items())
             tokens = self.balance.global_batch * self.facts.get("seq_len", 0) / self.predicted_step_s
             head.add_row("step", f"{self.predicted_step_s * 1e3:,.1f} ms", f"{parts}; {tokens:,.0f} tokens/s")
+        extra = [self._layouts_table()] if self.layouts else []
         if self.pipeline is not None:
-            return [head, self._pipeline_table()]
+            return [head, *extra, self._pipeline_table()]
         ranks = Table(title=f"per rank (global batch {self.balance.global_batch})")
         for col in ("rank", "host", "device", "attention", "memory", "samples", "micro-batches", "activations", "peak",
                     "step"):
@@ -242,8 +248,22 @@ class RunPlan:
                           str(s.samples), _micro_text(s.micro_batches), escape(r.summary),
                           format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes else "-",
                           f"{s.predicted_s * 1e3:,.1f} ms" if s.predicted_s else "-")
-        return [head, ranks]
+        return [head, *extra, ranks]
 
+
+    def _layouts_table(self):
+        from rich.markup import escape
+        from rich.table import Table
+
+        t = Table(title="layouts compared (pipeline stages: auto), fastest first")
+        for col in ("layout", "fits", "step", "compute", "communication", "bubble", "peak a rank"):
+            t.add_column(col, justify="left" if col in ("layout", "fits") else "right")
+        for c in sorted(self.layouts, key=lambda c: (not c["fits"], c["step_s"] or 0.0)):
+            t.add_row(escape(c["layout"]), "yes" if c["fits"] else escape(f"no: {c['note']}"),
+                      f"{c['step_s']:.3g} s" if c["fits"] else "-", f"{c['compute_s']:.3g} s" if c["fits"] else "-",
+                      f"{c['comm_s']:.3g} s" if c["fits"] else "-", f"{c['bubble']:.0%}" if c["stages"] else "-",
+                      format_bytes(c["peak_bytes"]) if c["peak_bytes"] is not None else "-")
+        return t
 
     def _pipeline_table(self):
         from rich.table import Table
@@ -283,6 +303,8 @@ def _layout(strategy: str, shard: int, gather: int, offload: str, unit_params: i
 def resolve_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
     """The run's plan (see the module's docstring). Raises ConfigError, in one line, where nothing fits."""
     if cfg.parallel.pipeline is not None:
+        if cfg.parallel.pipeline.stages == "auto":
+            return _chosen_layout_plan(cfg, shape, facts)
         return _pipeline_run_plan(cfg, shape, facts)
     world, ranks = len(facts.ranks), facts.ranks
     why: dict[str, str] = {}
@@ -350,6 +372,32 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
                    rank_plans, None, None, {}, why, pipeline=pipe)
     plan.fingerprint = fingerprint(cfg, shape, ranks)
     plan.facts = {"seq_len": cfg.train.seq_len, "ranks": [r.to_dict() for r in ranks]}
+    return plan
+
+
+def _chosen_layout_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
+    """`parallel.pipeline.stages: auto`: every data-parallel layout and every pipeline priced alike
+    (`layouts.candidates`), the fastest that fits planned as if configured, the comparison kept."""
+    ranks = facts.ranks
+    precision, _ = _precision(cfg, ranks)
+    head = max(_head_dim(cfg, shape, r.capability, precision) for r in ranks)
+    cands = candidates(cfg, shape, [r.device for r in ranks], [r.node for r in ranks], [r.speed for r in ranks],
+                       [r.memory_bytes for r in ranks], precision, head, Links.declared(cfg))
+    if precision == "fp16":
+        for c in cands:
+            if c.stages:
+                c.fits, c.note = False, "pipelines do not train in fp16"
+    best, line = choose(cands)
+    pc = cfg.parallel
+    if best.stages:
+        chosen = pc.model_copy(update={"pipeline": pc.pipeline.model_copy(update={"stages": best.stages})})
+    else:
+        mesh = MeshConfig(replicate=best.mesh[0], shard=best.mesh[1]) if best.mesh else pc.mesh
+        chosen = pc.model_copy(update={"pipeline": None, "strategy": best.strategy, "mesh": mesh})
+    plan = resolve_plan(cfg.model_copy(update={"parallel": chosen}), shape, facts)
+    plan.why["layout"] = line
+    plan.layouts = [c.to_dict() for c in cands]
+    plan.fingerprint = fingerprint(cfg, shape, ranks)
     return plan
 
 

@@ -114,7 +114,8 @@ def train(cfg: RunConfig, resume: Literal["auto", "always", "never"] = "auto", s
     if resume == "never" and env_int("TORCHELASTIC_RESTART_COUNT", default=0) > 0:
         resume = "auto"  # --no-resume is the first launch's: a restart continues the job it restarts
     world = launch_world_size()
-    stages = cfg.parallel.pipeline.stages if cfg.parallel.pipeline else 1
+    pipe = cfg.parallel.pipeline
+    stages = pipe.stages if pipe is not None and pipe.stages != "auto" else 1
     check_launch(cfg.cluster, world, stages=stages)  # before any connection: every rank fails alike
     declared = declared_devices(cluster_nodes(cfg.cluster))
     if world == 1 and declared > 1 and not plan_only:
