@@ -37,3 +37,34 @@ def test_lamb_zero_weight_uses_unit_trust():
     b.grad = torch.ones(4)
     opt.step()
     assert torch.all(b.detach() < 0) and math.isfinite(float(b.detach().norm()))
+
+
+def _overflow_on_one_rank(rank: int, world: int, store_path: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from hetforge.core.precision import Precision
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        w = torch.nn.Parameter(torch.ones(4))
+        opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+        scaler = Precision("fp16", torch.device("cpu")).grad_scaler(synced=True)
+        # only rank 1's gradients overflow, as one stage or one shard's would
+        scaler.scale((w * (float("inf") if rank == 1 else 1.0)).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        torch.save({"w": w.detach(), "scale": scaler.get_scale()}, f"{out}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_ranks_fp16_overflow_skips_every_ranks_step(tmp_path):
+    """Where ranks hold different gradients (pipeline stages, shards), an overflow on one must skip
+    the step and halve the scale on all of them, or their weights and scales part ways."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_overflow_on_one_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
+    got = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
+    assert all(torch.equal(g["w"], torch.ones(4)) for g in got)  # no rank stepped
+    assert got[0]["scale"] == got[1]["scale"] == 2.0**15  # both halved from 2^16

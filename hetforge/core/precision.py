@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from hetforge.core.errors import ConfigError
 from hetforge.core.hardware import detect, run_precision
@@ -51,7 +52,24 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def grad_scaler(self) -> torch.amp.GradScaler:
+    def grad_scaler(self, synced: bool = False) -> torch.amp.GradScaler:
         """Dynamic loss scaling for fp16 (skips a step and halves the scale on inf/NaN gradients);
-        a disabled pass-through for bf16 and fp32, whose exponent range needs none."""
-        return torch.amp.GradScaler(self.device.type, enabled=self.name == "fp16")
+        a disabled pass-through for bf16 and fp32, whose exponent range needs none. `synced`: the
+        inf/NaN check is agreed over all ranks (PyTorch's ShardedGradScaler), as it must be where a
+        rank sees only part of the gradients (shards, a pipeline's stages): one rank's overflow
+        skips every rank's step, and the scale stays the same everywhere."""
+        kind = SyncedGradScaler if synced else torch.amp.GradScaler
+        return kind(self.device.type, enabled=self.name == "fp16")
+
+
+class SyncedGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose inf/NaN verdict is the maximum over all ranks, taken when the gradients
+    are unscaled (what PyTorch's ShardedGradScaler does; that one's found-inf tensors have a shape
+    the fused AdamW step refuses)."""
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.is_enabled():
+            return
+        super().unscale_(optimizer)
+        for found in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)

@@ -93,9 +93,12 @@ def pipeline_share(pipe: Pipeline, micro_batches: list[tuple[int, int]], consume
     count = sum(n for _, n in micro_batches)
     start = micro_batches[0][0] if micro_batches else consumed
     x, y = loader.get(start, count or pipe.plan.micro_batch_size)
+    # every stage's scaler scales once (the last stage's loss is multiplied by it), so that each
+    # can unscale its own gradients
+    scale = float(scaler.scale(torch.ones((), device=y.device)))
     timer.start()
     with precision.autocast():
-        loss = pipe.run(x, y, 1.0 if count else 0.0, tokens_per_step)
+        loss = pipe.run(x, y, 1.0 if count else 0.0, tokens_per_step, scale=scale)
     pipe.sync_gradients(params)
     timer.stop(False)
     return loss
