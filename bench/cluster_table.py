@@ -5,8 +5,9 @@ Per cluster and preset at seq 2048, a global batch of 512 sequences and micro-ba
 the run's plan (`cluster.run_plan` on declared facts: each card's bytes from the model's shapes,
 its times from its datasheet, `memory.analytic`) with every block recomputed where memory needs it
 (`memory.strategy: full`: the least activation memory a plan holds, decided without a search), the
-links at 10 GB/s. The table shows the strategy `parallel.strategy: auto` takes, the busiest card's
-predicted peak against its usable memory, and the predicted tokens/s; or why nothing fits.
+links at 10 GB/s. The table shows the strategy `parallel.strategy: auto` takes (FSDP with its
+shards on the host where no sharding alone fits), the busiest card's predicted peak against its
+usable memory, and the predicted tokens/s; or why nothing fits.
 
     .venv/bin/python bench/cluster_table.py   # writes docs/sharded_clusters.md
 
@@ -53,7 +54,7 @@ def row(cluster: str, preset: str) -> dict:
         return {**out, "fits": False, "why": " ".join(str(err).split())}
     busiest = max(plan.ranks, key=lambda r: (r.predicted_peak_bytes or 0) / r.memory_bytes)
     return {**out, "fits": True, "precision": plan.precision, "strategy": plan.strategy,
-            "optimizer_offload": any(r.optimizer_offload for r in plan.ranks),
+            "optimizer_offload": any(r.optimizer_offload for r in plan.ranks), "offload": plan.offload,
             "peak_gib": busiest.predicted_peak_bytes / 2**30, "usable_gib": busiest.memory_bytes / 2**30,
             "step_s": plan.predicted_step_s, "tokens_per_s": GLOBAL_BATCH * SEQ / plan.predicted_step_s,
             "bound": max(plan.step_parts, key=plan.step_parts.get)}
@@ -76,11 +77,13 @@ def main() -> None:
             lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | - | does not fit "
                          f"({r['why'].split(':')[0]}) | - | - | - |")
             continue
-        strategy = r["strategy"] + (" + optimizer on the host" if r["optimizer_offload"] else "")
+        strategy = r["strategy"] + (" + optimizer on the host" if r["optimizer_offload"] else "") + \
+            (" + shards on the host" if r["offload"] == "params" else "")
         lines.append(f"| {r['cluster']} | {r['preset']} | {r['params_b']:.1f}B | {r['precision']} | {strategy} | "
                      f"{r['peak_gib']:.1f} / {r['usable_gib']:.1f} | {r['bound']} | {r['tokens_per_s']:,.0f} |")
-    lines += ["", "Where nothing fits, the sizes need more cards, or parameter offload (`parallel.offload: params`, "
-              "FSDP2's CPU offload), which `auto` does not try.", ""]
+    lines += ["", "\"Shards on the host\": FSDP2's CPU offload (`parallel.offload: params`), which `auto` takes where "
+              "no sharding alone fits; the host's AdamW step and the copies over PCIe are in the step time. Where "
+              "nothing fits, the sizes need more cards.", ""]
     out = ROOT / "docs" / "sharded_clusters.md"
     out.write_text("\n".join(lines))
     print("\n".join(lines))

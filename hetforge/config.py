@@ -279,6 +279,9 @@ class DeviceSpec(_Strict):
 class NodeSpec(_Strict):
     host: str = "localhost"
     devices: list[DeviceSpec] = Field(default_factory=lambda: [DeviceSpec()], min_length=1)
+    # The host's memory (GiB): what the node's ranks together may keep there under parameter or
+    # optimizer offload. None: the planner does not bound it (a launched run plans as `plan --cluster`).
+    memory_gb: float | None = Field(None, gt=0)
 
 
 class AssignmentSpec(_Strict):
@@ -375,11 +378,15 @@ class PipelineConfig(_Strict):
     layers: blocks per stage, first to last (null: sized to each stage's speed and memory);
     schedule: 1f1b (one forward, one backward: a stage holds at most `stages` micro-batches'
     activations) or gpipe (all forwards, then all backwards); auto = 1f1b where a pipeline has at
-    least as many micro-batches as stages, else gpipe."""
+    least as many micro-batches as stages, else gpipe; recompute: blocks (each block's activations
+    recomputed in its backward: a stage holds only its blocks' inputs per in-flight micro-batch,
+    for 4/3 of the blocks' FLOPs), none, or auto = blocks only where a stage's kept activations
+    do not fit its memory."""
 
     stages: int | Literal["auto"] = Field(...)
     layers: list[int] | None = None
     schedule: Literal["auto", "1f1b", "gpipe"] = "auto"
+    recompute: Literal["auto", "none", "blocks"] = "auto"
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineConfig":
@@ -478,7 +485,7 @@ class RunConfig(_Strict):
         if pipe.layers is not None and self.model.n_layers is not None and sum(pipe.layers) != self.model.n_layers:
             raise ValueError(f"parallel.pipeline.layers {pipe.layers} cover {sum(pipe.layers)} blocks but the model "
                              f"has {self.model.n_layers}; the counts must add up to model.n_layers")
-        if self.memory.active:
+        if self.memory.active and pipe.stages != "auto":  # under auto, the plan is for data-parallel layouts
             raise ValueError("parallel.pipeline with an activation plan (memory.*) is not supported; each stage "
                              "keeps its activations")
         if pipe.stages == "auto" and self.cluster.balance == "fixed":

@@ -12,6 +12,7 @@ import pytest
 
 from hetforge.cluster.pipeline_plan import PipelinePlan, inflight, micro_counts, plan_pipeline, split_blocks
 from hetforge.config import ConfigError, build_config
+from hetforge.core.metrics import read_metrics
 from hetforge.model.gpt_neox import GPTNeoXConfig
 from hetforge.train.loop import train
 from tests.conftest import tiny_raw
@@ -81,6 +82,41 @@ def test_pipeline_update_equals_one_process(make_cfg, tmp_path, refs, case):
 
 
 @pytest.mark.slow
+def test_recomputed_stages_give_the_same_update(make_cfg, tmp_path, refs):
+    """Every block recomputed in its backward (dropout masks replayed): the update is still one
+    process's."""
+    cfg = piped(make_cfg, "pipe-recompute", 2, 2, steps=5, micro_batch_size=2, global_batch_tokens=8 * 32,
+                checkpoint_interval=5, eval_interval=1000)
+    raw = cfg.model_dump(mode="json")
+    raw["parallel"]["pipeline"]["recompute"] = "blocks"
+    cfg = build_config(raw)
+    res = run_train(cfg, 2, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((Path(cfg.run_dir) / "plan.json").read_text())["pipeline"]["recompute"] is True
+    got, want = losses(cfg), losses(refs[2])
+    assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in want), (got, want)
+    assert max_diff(weights(cfg), weights(refs[2])) <= 2e-4
+
+
+@pytest.mark.slow
+def test_a_pipeline_trains_in_fp16_with_one_loss_scale(make_cfg, tmp_path, data_dir):
+    """fp16 on 2 stages x 2 replicas: the loss is scaled on the last stage, every rank unscales its
+    own gradients and the inf/NaN check is agreed over all ranks (ShardedGradScaler), so the run
+    follows one process's fp16 run: same losses to fp16's precision, the same loss scale."""
+    raw = tiny_raw(tmp_path / "ref16", data_dir, steps=4, micro_batch_size=8, eval_interval=1000, precision="fp16")
+    ref = build_config(raw)
+    train(ref)
+    cfg = piped(make_cfg, "pipe-fp16", 4, 2, steps=4, micro_batch_size=2, global_batch_tokens=8 * 32,
+                eval_interval=1000, precision="fp16")
+    res = run_train(cfg, 4, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got, want = (read_metrics(Path(c.run_dir) / "metrics.jsonl")["train"] for c in (cfg, ref))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert all(g["loss_scale"] == w["loss_scale"] > 1 for g, w in zip(got, want))
+    assert all(g["loss"] == pytest.approx(w["loss"], rel=2e-3) for g, w in zip(got, want)), (got, want)
+
+
+@pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_on_fsdp_and_one_process(make_cfg, tmp_path, data_dir):
     """Two steps as a 2-stage pipeline, two under FSDP on 2 ranks, two in one process: the sample
     sequence and losses are one uninterrupted process's."""
@@ -145,6 +181,26 @@ def test_a_pipeline_plan_on_declared_cards():
     assert PipelinePlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
+def test_stages_recompute_their_blocks_where_kept_activations_do_not_fit():
+    """Declared memory between the two ways to hold activations: kept activations do not fit, so
+    under auto every block is recomputed (its input held per in-flight micro-batch), for 4/3 of the
+    blocks' FLOPs; `recompute: none` names the stage short of memory instead."""
+    cards = ["V100"] * 2
+    kept = plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, [None] * 2, "fp32", 16)
+    assert not kept.recompute
+    budget = [0.8 * max(kept.stage_bytes)] * 2
+    redone = plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, budget, "fp32", 16)
+    assert redone.recompute and "recomputed in the backward" in redone.why
+    assert all(b <= m for b, m in zip(redone.stage_bytes, budget))
+    if redone.layers == kept.layers:  # same split: the first stage (no head) costs exactly 4/3
+        assert redone.stage_micro_s[0] == pytest.approx(kept.stage_micro_s[0] * 4 / 3)
+    with pytest.raises(ConfigError, match="pipeline stage|no split"):
+        plan_pipeline(_cfg(2, 2, pipeline={"recompute": "none"}), SHAPE, cards, [None] * 2, budget, "fp32", 16)
+    forced = plan_pipeline(_cfg(2, 2, pipeline={"recompute": "blocks"}), SHAPE, cards, [None] * 2, [None] * 2,
+                           "fp32", 16)
+    assert forced.recompute and max(forced.stage_bytes) < max(kept.stage_bytes)
+
+
 def test_replica_shares_by_speed_and_whole_micro_batches():
     cfg = _cfg(4, 2)
     assert micro_counts(cfg, 2, 2, [1.0, 3.0]) == [2, 6]
@@ -183,27 +239,35 @@ def test_pipeline_config_errors():
 
 
 # --- which layout: data parallelism or a pipeline, at the declared links (recorded inputs) ---------
-from hetforge.cluster.layouts import Links, candidates, choose  # noqa: E402
-from hetforge.model.accounting import collective_bytes_per_step  # noqa: E402
+from hetforge.cluster.layouts import Links, Ranks, candidates, choose  # noqa: E402
+from hetforge.core.hardware import lookup  # noqa: E402
+from hetforge.memory.analytic import HOST_STEP_S_PER_PARAM  # noqa: E402
+from hetforge.model.accounting import collective_bytes_per_step, count_parameters  # noqa: E402
 
 BIG = GPTNeoXConfig(n_layers=8, d_model=1024, n_heads=8, d_ff=4096, vocab_size=8192)
 GIB = 2**30
 
 
-def _layouts(inter_gbit: float):
+def _layouts(inter_gbit: float, host_gib: float = 0.1):
     """Two nodes of two V100s declared at 0.8 GiB each: the whole training state (1.9 GiB) fits
     neither one node's pair (DDP, ZeRO, FSDP within nodes, a 2-stage pipeline replicated per node)
-    nor anything but FSDP over all four ranks or a 4-stage pipeline."""
+    nor anything but FSDP over all four ranks or a 4-stage pipeline; each node's host holds
+    `host_gib` for offloaded state."""
     cfg = build_config({"model": {"preset": None, "n_layers": 8, "d_model": 1024, "n_heads": 8},
                         "train": {"seq_len": 128, "micro_batch_size": 1, "global_batch_tokens": 16 * 128},
                         "parallel": {"pipeline": {"stages": "auto"}}})
     links = Links(10e9, inter_gbit * 1e9 / 8, 50e-6)
-    return cfg, links, candidates(cfg, BIG, ["V100"] * 4, [0, 0, 1, 1], [None] * 4, [0.8 * GIB] * 4, "fp32", 128,
-                                  links)
+    ranks = Ranks(["V100"] * 4, [0, 0, 1, 1], [None] * 4, [0.8 * GIB] * 4, {0: host_gib * GIB, 1: host_gib * GIB})
+    return cfg, links, candidates(cfg, BIG, ranks, "fp32", 128, links)
 
 
 def test_a_slow_link_picks_the_pipeline_and_a_fast_one_fsdp():
     cfg, links, slow = _layouts(1.0)
+    offloaded = [c for c in slow if c.offload != "none"]
+    assert {c.layout for c in offloaded} == {"ddp + optimizer offload", "zero2 + params offload",
+                                             "fsdp + params offload", "fsdp within nodes (2 x 2) + params offload"}
+    assert not any(c.fits for c in offloaded)
+    assert "node 0's host needs" in next(c for c in offloaded if c.layout == "fsdp + params offload").note
     fits = {c.layout.split(" (")[0] for c in slow if c.fits}
     assert fits == {"fsdp", "pipeline 4 stages x 1"}
     best, line = choose(slow)
@@ -222,11 +286,28 @@ def test_a_slow_link_picks_the_pipeline_and_a_fast_one_fsdp():
     assert "against pipeline 4 stages" in line_fast
 
 
+def test_offload_is_priced_with_the_hosts_step_and_copies_and_fits_the_hosts_memory():
+    _, _, cands = _layouts(800.0, host_gib=64)
+    by = {c.layout: c for c in cands}
+    fsdp, offloaded = by["fsdp"], by["fsdp + params offload"]
+    n = count_parameters(BIG)["total"]
+    # each rank's host steps its quarter of the parameters; per micro-batch (4 a rank) its weight
+    # shard goes to the card for both gathers and its gradient shard comes back, over PCIe
+    copies = (2 * 4 + 4) * n / 4 * 4 / (lookup("V100").link_gbps * 1e9)
+    assert offloaded.fits and offloaded.host_s == pytest.approx(HOST_STEP_S_PER_PARAM * n / 4 + copies)
+    assert offloaded.step_s == pytest.approx(fsdp.step_s + offloaded.host_s)
+    assert offloaded.peak_bytes < fsdp.peak_bytes / 2  # only the gathered units stay on the card
+    # DDP keeps everything but the optimizer's state on the card: still more than 0.8 GiB
+    assert not by["ddp + optimizer offload"].fits and "needs" in by["ddp + optimizer offload"].note
+    assert choose(cands)[0].layout == "fsdp"  # offload only where it is needed to fit
+
+
 def test_no_layout_fitting_names_the_closest():
     cfg = build_config({"model": {"preset": None, "n_layers": 8, "d_model": 1024, "n_heads": 8},
                         "train": {"seq_len": 128, "micro_batch_size": 1, "global_batch_tokens": 16 * 128},
                         "parallel": {"pipeline": {"stages": "auto"}}})
-    cands = candidates(cfg, BIG, ["V100"] * 2, [0, 1], [None] * 2, [0.1 * GIB] * 2, "fp32", 128,
+    ranks = Ranks(["V100"] * 2, [0, 1], [None] * 2, [0.1 * GIB] * 2, {0: None, 1: None})
+    cands = candidates(cfg, BIG, ranks, "fp32", 128,
                        Links(10e9, 1e9, 50e-6))
-    with pytest.raises(ConfigError, match=r"no layout fits: the least memory-hungry \(fsdp\) needs"):
+    with pytest.raises(ConfigError, match=r"no layout fits: the least memory-hungry \(fsdp \+ params offload\) needs"):
         choose(cands)

@@ -118,3 +118,37 @@ def test_a_launched_cpu_cluster_plans_what_plan_cluster_printed(data_dir, tmp_pa
     assert launched == json.loads(printed.stdout.strip().splitlines()[-1])
     assert [s["samples"] for s in launched["balance"]["shares"]] == [3, 3, 6]
 
+
+
+FORGE_CLUSTERS = [  # (preset, cards, cards a node, nodes' host memory GiB)
+    ("forge-m", "V100-16GB", 8, 4, 256), ("forge-l", "T4", 16, 4, 192), ("forge-m", "A100-40GB", 4, 4, 512)]
+
+
+@pytest.mark.parametrize("preset,card,count,per_node,host_gb", FORGE_CLUSTERS)
+def test_forge_sizes_find_a_layout_on_the_cards_labs_have(preset, card, count, per_node, host_gb):
+    """FORGE's sizes on clusters of 16-40 GB cards: no sharding alone holds the state, so `auto`
+    puts the shards on the host (FSDP2's CPU offload) with an activation plan; and `stages: auto`
+    compares every layout, offloaded ones included, and the host memory each node declares bounds them."""
+    from hetforge.memory.analytic import HOST_STEP_S_PER_PARAM
+    from hetforge.model.accounting import count_parameters
+    from hetforge.model.presets import PRESETS
+
+    shape = PRESETS[preset]
+    cluster = [NodeSpec.model_validate({"host": f"n{i}", "memory_gb": host_gb,
+                                        "devices": [{"type": card, "count": per_node}]}) for i in range(count // per_node)]
+    raw = {"model": {"preset": preset}, "train": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_tokens": 2**20},
+           "memory": {"budget": "auto"}, "cluster": {"inter_node_gbit": 10}}
+    plan = resolve_plan(build_config(raw), shape, declared_facts(build_config(raw), shape, cluster, "x"))
+    assert (plan.strategy, plan.offload) == ("fsdp", "params") and "host-params" in plan.why["strategy"]
+    assert all(r.predicted_peak_bytes <= r.memory_bytes for r in plan.ranks)
+    # the host's AdamW step over each rank's shard, after the device's work
+    assert plan.step_parts["host"] > HOST_STEP_S_PER_PARAM * count_parameters(shape)["total"] / count
+    assert plan.predicted_step_s == pytest.approx(plan.step_parts["compute"] + plan.step_parts["host"])
+    raw["parallel"] = {"pipeline": {"stages": "auto"}}
+    chosen = resolve_plan(build_config(raw), shape, declared_facts(build_config(raw), shape, cluster, "x"))
+    fits = [c for c in chosen.layouts if c["fits"]]
+    assert fits and all(c["offload"] == "params" for c in fits if c["strategy"] != "pipeline")
+    assert chosen.why["layout"].startswith(min(fits, key=lambda c: c["step_s"])["layout"])
+    small = [n.model_copy(update={"memory_gb": 1.0}) for n in cluster]  # hosts too small to take the shards
+    with pytest.raises(ConfigError, match="no layout fits"):
+        resolve_plan(build_config(raw), shape, declared_facts(build_config(raw), shape, small, "x"))

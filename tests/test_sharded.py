@@ -2,6 +2,7 @@
 unequal shares and a rank with none, per-rank state ~1/W, checkpoints that reshard across world
 size and strategy."""
 
+import re
 import json
 import subprocess
 from pathlib import Path
@@ -235,10 +236,20 @@ def test_auto_takes_the_least_sharding_that_fits(preset, cards, expected):
     assert why.startswith(f"auto: {expected}")
 
 
-def test_auto_names_the_rank_short_of_memory_when_nothing_fits():
+def test_auto_puts_the_shards_on_the_host_where_no_sharding_fits_and_names_the_rank_short_of_memory():
+    from hetforge.memory.sharding import HOST_PARAMS
+
+    # forge-m over two cards: 13.1B x 16 B is 98 GiB a rank under FSDP, on the host only the
+    # gathered units stay on the card
     needs = [RankNeed(0, "V100", V100, GIB), RankNeed(1, "P100", 8 * GIB, GIB)]
-    with pytest.raises(NoStrategyFits, match=r"fsdp needs .* on rank 1 \(P100\)"):
+    strategy, why = choose_strategy(PRESETS["forge-m"], "adamw", needs, 2, gather_bytes=2)
+    assert strategy == HOST_PARAMS and re.search(r"fsdp needs .* on rank 1 \(P100\)", why)
+    needs[1] = RankNeed(1, "P100", 8 * GIB, 8 * GIB)  # its activations alone fill the card
+    with pytest.raises(NoStrategyFits, match=r"fsdp\+host-params needs .* on rank 1 \(P100\)"):
         choose_strategy(PRESETS["forge-m"], "adamw", needs, 2, gather_bytes=2)
+    with pytest.raises(NoStrategyFits, match=r"fits: ddp needs .* on rank 1 \(P100\) with 8.00 GiB; add"):
+        choose_strategy(PRESETS["forge-m"], "adamw", needs[:1] + [RankNeed(1, "P100", 8 * GIB, GIB)], 2, 2,
+                        offload="optimizer")  # an offload the config sets is kept: no fallback
 
 
 def test_auto_without_known_memory_replicates():
@@ -247,7 +258,7 @@ def test_auto_without_known_memory_replicates():
 
 
 def test_pick_strategy_prefers_sharding_to_the_host_optimizer():
-    from hetforge.memory.sharding import HOST_OPTIMIZER, pick_strategy
+    from hetforge.memory.sharding import HOST_OPTIMIZER, HOST_PARAMS, pick_strategy
 
     fits = [{"ddp": True, "zero1": True, "zero2": True, "fsdp": True, HOST_OPTIMIZER: True},
             {"ddp": False, "zero1": False, "zero2": True, "fsdp": True, HOST_OPTIMIZER: True}]
@@ -258,6 +269,9 @@ def test_pick_strategy_prefers_sharding_to_the_host_optimizer():
     fits[1][HOST_OPTIMIZER] = False
     with pytest.raises(NoStrategyFits, match="fsdp has no plan on rank 1"):
         pick_strategy(fits, ["cpu", "small"])
+    for f in fits:
+        f[HOST_PARAMS] = True  # FSDP with its shards on the host: the last resort
+    assert pick_strategy(fits, ["cpu", "small"])[0] == HOST_PARAMS
 
 
 @pytest.mark.slow

@@ -167,8 +167,10 @@ def local_rank_facts(cfg: RunConfig, ctx: DistContext, device: torch.device) -> 
     spec = rank_device(cfg.cluster, ctx)
     nodes = cluster_nodes_or_none(cfg)
     host = nodes[ctx.node_rank].host if nodes else ctx.host
+    declared = nodes[ctx.node_rank].memory_gb if nodes else None
     return RankFacts(ctx.rank, ctx.node_rank, host, device_name(spec, device), detect(device),
-                     device_memory_bytes(spec, device), spec.speed if spec else None)
+                     device_memory_bytes(spec, device), spec.speed if spec else None,
+                     declared * 2**30 if declared else None)
 
 
 def cluster_nodes_or_none(cfg: RunConfig) -> list[NodeSpec]:
@@ -181,8 +183,10 @@ def declared_rank_facts(nodes: list[NodeSpec], where: str) -> list[tuple[RankFac
     """Every declared device, one rank each in node order (as a launch numbers them), with its card."""
     out = []
     for n, node in enumerate(nodes):
+        host_memory = node.memory_gb * 2**30 if node.memory_gb else None
         for spec in (d for d in node.devices for _ in range(d.count)):
-            out.append((_declared(len(out), n, node.host, spec, where), _card(spec)))
+            facts = replace(_declared(len(out), n, node.host, spec, where), host_memory_bytes=host_memory)
+            out.append((facts, _card(spec)))
     return out
 
 

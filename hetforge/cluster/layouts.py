@@ -5,7 +5,11 @@ alike from the model's FLOPs and bytes, each rank's FLOP rate and the declared l
 A data-parallel step is the balanced compute (the global batch's FLOPs over the ranks' summed
 rates) or its collectives, whichever is longer (FSDP prefetches and DDP reduces while the backward
 runs, so the two overlap): the collectives of a group that spans nodes run at the inter-node link
-(`cluster.inter_node_gbit`; ring collectives go at their slowest hop). A pipeline's step is
+(`cluster.inter_node_gbit`; ring collectives go at their slowest hop). Each is tried as well with
+its state on the host, where the strategy allows: DDP with optimizer offload, ZeRO-2 and FSDP with
+FSDP2's parameter offload; that adds the host's AdamW step over the rank's parameters and the
+copies over the card's host link, and the node's ranks together must fit its host memory
+(`memory_gb` of a node in the cluster file) where that is declared. A pipeline's step is
 (micro-batches + stages - 1) slots of its slowest stage, a slot being the stage's compute or its
 boundary's traffic (activations forward, their gradients back), whichever is longer, then the sum
 of a stage's gradients over its replicas. A layout fits when every rank's static bytes and
@@ -21,9 +25,10 @@ from dataclasses import asdict, dataclass
 from hetforge.cluster.pipeline_plan import plan_pipeline, rank_rates
 from hetforge.config import ConfigError, RunConfig
 from hetforge.core.sizes import format_bytes
-from hetforge.memory.analytic import trace
-from hetforge.model.accounting import (GRAD_BYTES, boundary_bytes, collective_bytes_per_step, count_parameters,
-                                       flops_per_token, sharded_static_bytes, stage_flops_per_sample, stage_parameters)
+from hetforge.core.hardware import lookup
+from hetforge.memory.analytic import HOST_STEP_S_PER_PARAM, trace
+from hetforge.model.accounting import (GRAD_BYTES, WEIGHT_BYTES, boundary_bytes, collective_bytes_per_step, count_parameters,
+                                       flops_per_token, sharded_static_bytes, stage_parameters)
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
 WORKSPACE = 1.15
@@ -65,6 +70,8 @@ class Candidate:
     bubble: float
     peak_bytes: float
     note: str  # why it does not fit, or what its time is made of
+    offload: str = "none"  # parallel.offload: none | optimizer | params
+    host_s: float = 0.0  # the host's optimizer step and the copies to and from it
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -72,17 +79,36 @@ class Candidate:
         return d
 
 
-def candidates(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], nodes: list[int], speeds: list[float | None],
-               memory: list[float | None], precision: str, head_dim: int, links: Links) -> list[Candidate]:
+OFFLOADS = {"ddp": ("none", "optimizer"), "zero1": ("none",), "zero2": ("none", "params"),
+            "fsdp": ("none", "params")}  # what parallel.offload each strategy takes
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks a layout is priced for: device names, node indices, declared speeds, the bytes
+    a plan may use on each device, and each node's host memory (None: not declared)."""
+
+    devices: list[str]
+    nodes: list[int]
+    speeds: list[float | None]
+    memory: list[float | None]
+    host_memory: dict[int, float | None]
+
+
+def candidates(cfg: RunConfig, shape: GPTNeoXConfig, ranks: Ranks, precision: str, head_dim: int,
+               links: Links) -> list[Candidate]:
     """Every layout for these ranks, priced (those that do not fit say why)."""
-    rates = rank_rates(cfg, devices, speeds, precision)
-    world = len(devices)
-    out = [_data_parallel(cfg, shape, s, None, rates, nodes, memory, precision, head_dim, links)
-           for s in ("ddp", "zero1", "zero2", "fsdp")]
+    rates = rank_rates(cfg, ranks.devices, ranks.speeds, precision)
+    world, nodes = len(ranks.devices), ranks.nodes
+    meshes: list[tuple[int, int] | None] = [None]
     per_node = world // max(len(set(nodes)), 1)
     if len(set(nodes)) > 1 and per_node > 1 and all(nodes.count(n) == per_node for n in set(nodes)):
-        out.append(_data_parallel(cfg, shape, "fsdp", (len(set(nodes)), per_node), rates, nodes, memory, precision,
-                                  head_dim, links))
+        meshes.append((len(set(nodes)), per_node))
+    cards = all(d != "cpu" for d in ranks.devices)  # a CPU's memory is the host's: nothing to offload to
+    out = [_data_parallel(cfg, shape, s, mesh, offload, rates, ranks, precision, head_dim, links)
+           for mesh in meshes for s in (OFFLOADS if mesh is None else ("fsdp",))
+           for offload in (OFFLOADS[s] if cards else ("none",))]
+    devices, speeds, memory = ranks.devices, ranks.speeds, ranks.memory
     for stages in range(2, min(world, shape.n_layers) + 1):
         if world % stages == 0:
             out.append(_pipeline(cfg, shape, stages, devices, nodes, speeds, memory, precision, head_dim, links, rates))
@@ -105,6 +131,7 @@ def choose(cands: list[Candidate]) -> tuple[Candidate, str]:
 
 def _parts(c: Candidate) -> str:
     text = f"compute {c.compute_s:.3g} s, communication {c.comm_s:.3g} s"
+    text += f", host {c.host_s:.3g} s" if c.offload != "none" else ""
     return text + (f", bubble {c.bubble:.0%}" if c.stages else "")
 
 
@@ -113,15 +140,38 @@ def _activation_bytes(shape: GPTNeoXConfig, micro: int, seq: int, precision: str
     return shape.n_layers * sum(u.bytes for u in t.units) + t.head_held
 
 
-def _data_parallel(cfg, shape, strategy, mesh, rates, nodes, memory, precision, head_dim, links) -> Candidate:
+def _recomputed_bytes(shape: GPTNeoXConfig, micro: int, seq: int, precision: str, head_dim: int) -> float:
+    """Activations when every block is recomputed in the backward: the blocks' inputs, and one
+    block's whole working set while it runs (the least an activation plan can hold)."""
+    t = trace(shape, micro, seq, precision, head_dim)
+    inputs = shape.n_layers * boundary_bytes(shape, micro, seq, 4 if precision == "fp32" else 2)
+    return inputs + sum(u.bytes for u in t.units) + t.head_held
+
+
+def _activations(cfg: RunConfig, shape, static: float, memory: list[float | None], precision: str,
+                 head_dim: int) -> tuple[float, float]:
+    """(activation bytes, compute factor): every activation kept, or where that does not fit a rank
+    and the run makes an activation plan (`memory.budget`), every block recomputed (a second forward:
+    4/3 of the step's FLOPs; the planner's per-tensor choice lies between the two)."""
+    micro, seq = cfg.train.micro_batch_size, cfg.train.seq_len
+    kept = _activation_bytes(shape, micro, seq, precision, head_dim)
+    if not cfg.memory.active or all(m is None or WORKSPACE * (static + kept) <= m for m in memory):
+        return kept, 1.0
+    return _recomputed_bytes(shape, micro, seq, precision, head_dim), 4 / 3
+
+
+def _data_parallel(cfg, shape, strategy, mesh, offload, rates, ranks: Ranks, precision, head_dim, links) -> Candidate:
     world, micro, seq = len(rates), cfg.train.micro_batch_size, cfg.train.seq_len
+    nodes, memory = ranks.nodes, ranks.memory
     shard = mesh[1] if mesh else world
     gather = 4 if precision == "fp32" else 2
-    static = sharded_static_bytes(shape, cfg.train.optimizer, strategy, shard, "none", gather, cfg.parallel.unit_params)
-    peak = WORKSPACE * (sum(static.values()) + _activation_bytes(shape, micro, seq, precision, head_dim))
+    static = sum(sharded_static_bytes(shape, cfg.train.optimizer, strategy, shard, offload, gather,
+                                      cfg.parallel.unit_params).values())
+    activations, recompute = _activations(cfg, shape, static, memory, precision, head_dim)
+    peak = WORKSPACE * (static + activations)
     short = [r for r, m in enumerate(memory) if m is not None and peak > m]
     gb = cfg.train.global_batch_size
-    compute = gb * seq * flops_per_token(shape, seq) / sum(rates)
+    compute = recompute * gb * seq * flops_per_token(shape, seq) / sum(rates)
     micro_batches = math.ceil(gb / (world * micro))
     spans = len(set(nodes)) > 1
     if mesh:  # shard within each node, then the gradient shards summed across the nodes
@@ -136,8 +186,42 @@ def _data_parallel(cfg, shape, strategy, mesh, rates, nodes, memory, precision, 
         name = strategy
     comm += (2 * micro_batches if strategy in ("zero2", "fsdp") else 2) * links.latency_s * (world > 1)
     note = (f"needs {format_bytes(peak)} a rank; rank {short[0]} has {format_bytes(memory[short[0]])}" if short
-            else f"{format_bytes(peak)} a rank")
-    return Candidate(name, strategy, mesh, None, not short, max(compute, comm), compute, comm, 0.0, peak, note)
+            else f"{format_bytes(peak)} a rank" + (", blocks recomputed" if recompute > 1 else ""))
+    host_s, host_short = 0.0, ""
+    if offload != "none":
+        name += f" + {offload} offload"
+        host_s, host_short = _host_side(cfg, shape, strategy, shard, offload, gather, micro_batches, ranks)
+    return Candidate(name, strategy, mesh, None, not short and not host_short, max(compute, comm) + host_s, compute,
+                     comm, 0.0, peak, note if short or not host_short else host_short, offload, host_s)
+
+
+def offload_seconds(shape: GPTNeoXConfig, shard: int, offload: str, gather: int, micro_batches: int,
+                    devices: list[str]) -> float:
+    """Seconds a step spends on the host under `offload`: its AdamW step over the parameters the
+    rank owns, and the copies over the slowest card's host link (shards in for both gathers and
+    gradients out every micro-batch under params; gradients out and weights in once a step under
+    optimizer). A CPU rank copies nothing."""
+    if offload == "none":
+        return 0.0
+    owned = count_parameters(shape)["total"] / (shard if offload == "params" else 1)
+    copies = (2 * WEIGHT_BYTES + GRAD_BYTES) * owned * micro_batches if offload == "params" \
+        else (gather + GRAD_BYTES) * owned
+    links = [card.link_gbps * 1e9 for card in map(lookup, devices) if card is not None]
+    return HOST_STEP_S_PER_PARAM * owned + (copies / min(links) if links else 0.0)
+
+
+def _host_side(cfg, shape, strategy, shard, offload, gather, micro_batches, ranks: Ranks) -> tuple[float, str]:
+    """Seconds a step spends on the host (`offload_seconds`), and why the nodes' host memory does
+    not hold the offloaded state ("" where it does, or is not declared)."""
+    kept = sum(sharded_static_bytes(shape, cfg.train.optimizer, strategy, shard, "none", gather).values())
+    moved = kept - sum(sharded_static_bytes(shape, cfg.train.optimizer, strategy, shard, offload, gather).values())
+    seconds = offload_seconds(shape, shard, offload, gather, micro_batches, ranks.devices)
+    for node, limit in sorted(ranks.host_memory.items()):
+        need = moved * ranks.nodes.count(node)
+        if limit is not None and need > limit:
+            return seconds, (f"node {node}'s host needs {format_bytes(need)} for its ranks' offloaded state; it has "
+                             f"{format_bytes(limit)}")
+    return seconds, ""
 
 
 def _pipeline(cfg, shape, stages, devices, nodes, speeds, memory, precision, head_dim, links, rates) -> Candidate:
@@ -153,8 +237,7 @@ def _pipeline(cfg, shape, stages, devices, nodes, speeds, memory, precision, hea
     step = busy = traffic = 0.0
     for r in range(pipe.replicas):
         ranks, n = pipe.pipeline_ranks(r), pipe.micro_batches[r]
-        computes = [stage_flops_per_sample(shape, seq, pipe.layers[s], s == stages - 1) * micro
-                    / min(rates[x] for x in pipe.stage_ranks(s)) for s in range(stages)]
+        computes = pipe.stage_micro_s  # a micro-batch's forward and backward on each stage's slowest rank
         hops = [boundary_bytes(shape, micro, seq, elt) / links.between(nodes[ranks[s]] != nodes[ranks[s + 1]])
                 + links.latency_s for s in range(stages - 1)]
         slot = max(computes + hops)

@@ -8,7 +8,10 @@ split to minimise the slowest stage's time per micro-batch (each rank's FLOP rat
 peak at the run's precision, in the ratios of declared speeds where every rank has one), under
 each stage's memory: its parameters'
 weights, gradients and AdamW state, and the activations of the micro-batches it holds at once
-(1F1B: stages - stage, at most the micro-batch count; GPipe: all of them).
+(1F1B: stages - stage, at most the micro-batch count; GPipe: all of them). Where kept activations
+do not fit (or `parallel.pipeline.recompute: blocks`), every block is recomputed in its backward:
+a stage then holds its blocks' inputs per in-flight micro-batch and one block's working set, and
+its blocks cost 4/3 of their FLOPs.
 
 Replicas get whole micro-batches of one size (a stage's buffers are sized by the first one): in
 proportion to their speed with `cluster.balance: auto`, equal parts with `equal`, and with `fixed`
@@ -43,6 +46,7 @@ class PipelinePlan:
     stage_micro_s: list[float]  # a micro-batch's forward and backward on each stage (its slowest rank), relative
     stage_bytes: list[float]  # predicted peak bytes of each stage's ranks
     why: str
+    recompute: bool = False  # every block's activations recomputed in its backward
 
     def stage_of(self, rank: int) -> int:
         return rank // self.replicas
@@ -180,35 +184,49 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
                      default=None) for s in range(stages)]
     t = trace(shape, micro, seq, precision, head_dim)
     block_act, head_act = sum(u.bytes for u in t.units), t.head_held
-    elt = 4 if precision == "fp32" else 2
+    boundary = boundary_bytes(shape, micro, seq, 4 if precision == "fp32" else 2)
     most = max(counts, default=1) or 1
+    held_schedule = schedules[0] if len(set(schedules)) == 1 else "gpipe"
 
-    def bytes_of(s: int, n: int) -> float:
-        first, last = s == 0, s == stages - 1
-        held = inflight(schedules[0] if len(set(schedules)) == 1 else "gpipe", stages, s, most)
-        act = held * (n * block_act + (head_act if last else 0.0))
-        buffers = 4 * boundary_bytes(shape, micro, seq, elt)  # received activations and sent gradients
-        return WORKSPACE * (stage_static_bytes(shape, n, first, last) + act + buffers)
+    def split(recompute: bool) -> tuple[list[int], str, list[float], list[float]]:
+        def bytes_of(s: int, n: int) -> float:
+            first, last = s == 0, s == stages - 1
+            held = inflight(held_schedule, stages, s, most)
+            per_block = boundary if recompute else block_act  # a block's input, or all it saves
+            act = held * (n * per_block + (head_act if last else 0.0)) + (block_act if recompute and n else 0.0)
+            buffers = 4 * boundary  # received activations and sent gradients
+            return WORKSPACE * (stage_static_bytes(shape, n, first, last) + act + buffers)
 
-    def cost(s: int, n: int) -> float:
-        return stage_flops_per_sample(shape, seq, n, s == stages - 1) * micro / stage_rate[s]
+        def cost(s: int, n: int) -> float:
+            last = s == stages - 1
+            blocks = stage_flops_per_sample(shape, seq, n, False) * (4 / 3 if recompute else 1.0)
+            return (blocks + stage_flops_per_sample(shape, seq, 0, last)) * micro / stage_rate[s]
 
-    costs = [(cost(s, 1) - cost(s, 0), cost(s, 0)) for s in range(stages)]
-    if pc.layers is not None:
-        layers, how = list(pc.layers), "as configured"
-        for s, n in enumerate(layers):
-            if stage_mem[s] is not None and bytes_of(s, n) > stage_mem[s]:
-                raise ConfigError(f"pipeline stage {s} ({n} blocks) needs {format_bytes(bytes_of(s, n))} but its "
-                                  f"ranks have {format_bytes(stage_mem[s])} (short by "
-                                  f"{format_bytes(bytes_of(s, n) - stage_mem[s])}); move blocks off it")
-    else:
-        layers = split_blocks(shape.n_layers, costs, stage_mem, bytes_of)
-        how = "sized to each stage's speed and memory"
-    micro_s = [cost(s, n) for s, n in enumerate(layers)]
+        if pc.layers is not None:
+            layers, how = list(pc.layers), "as configured"
+            for s, n in enumerate(layers):
+                if stage_mem[s] is not None and bytes_of(s, n) > stage_mem[s]:
+                    raise ConfigError(f"pipeline stage {s} ({n} blocks) needs {format_bytes(bytes_of(s, n))} but its "
+                                      f"ranks have {format_bytes(stage_mem[s])} (short by "
+                                      f"{format_bytes(bytes_of(s, n) - stage_mem[s])}); move blocks off it")
+        else:
+            costs = [(cost(s, 1) - cost(s, 0), cost(s, 0)) for s in range(stages)]
+            layers = split_blocks(shape.n_layers, costs, stage_mem, bytes_of)
+            how = "sized to each stage's speed and memory"
+        return layers, how, [cost(s, n) for s, n in enumerate(layers)], [bytes_of(s, n) for s, n in enumerate(layers)]
+
+    recompute = pc.recompute == "blocks"
+    try:
+        layers, how, micro_s, stage_bytes = split(recompute)
+    except ConfigError:
+        if pc.recompute != "auto":
+            raise
+        recompute = True
+        layers, how, micro_s, stage_bytes = split(True)
+    how += "; blocks recomputed in the backward" if recompute else ""
     why = (f"{stages} stages x {replicas} replica(s), blocks {'+'.join(map(str, layers))} ({how}); "
            f"micro-batches of {micro}: {', '.join(f'{n} {sch}' for n, sch in zip(counts, schedules))}")
-    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s,
-                        [bytes_of(s, n) for s, n in enumerate(layers)], why)
+    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s, stage_bytes, why, recompute)
 
 
 def _schedule(setting: str, micro_batches: int, stages: int) -> str:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 from hetforge.cluster.balance import (BalanceError, BalancePlan, RankInfo, RankShare, TimeModel, balanced_plan,
                                       choose_accumulation, collective_seconds, equal_counts, equal_plan, fixed_plan)
-from hetforge.cluster.layouts import Links, candidates, choose
+from hetforge.cluster.layouts import Links, Ranks, candidates, choose, offload_seconds
 from hetforge.cluster.pipeline_plan import PipelinePlan, plan_pipeline
 from hetforge.cluster.probe import (WORKSPACE_MARGIN, candidate_sizes, largest_fitting, micro_batches_within,
                                     planned_points, planned_step_costs)
@@ -38,7 +38,7 @@ from hetforge.memory.analytic import activation_bytes_per_sample
 from hetforge.memory.device_plan import DevicePlan, comm_workspace, plan_profile, resolve_budget
 from hetforge.memory.milp import PlanError
 from hetforge.memory.plan import ModelProfile, Plan
-from hetforge.memory.sharding import HOST_OPTIMIZER, NoStrategyFits, RankNeed, choose_strategy, pick_strategy, \
+from hetforge.memory.sharding import HOST_OPTIMIZER, HOST_PARAMS, NoStrategyFits, RankNeed, choose_strategy, pick_strategy, \
     unit_size_that_fits
 from hetforge.model.accounting import (STRATEGIES, ShardLayout, collective_bytes_per_step, collectives_per_micro_batch,
                                        GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, parameter_sizes, stage_parameters,
@@ -60,6 +60,7 @@ class RankFacts:
     capability: Capability
     memory_bytes: float | None  # what a plan may use; None: unbounded (a CPU with no memory declared)
     speed: float | None = None  # declared relative samples/s (`DeviceSpec.speed`)
+    host_memory_bytes: float | None = None  # the node's host memory (`NodeSpec.memory_gb`)
 
     @property
     def kind(self) -> str:
@@ -224,6 +225,8 @@ class RunPlan:
         rows = [("precision", self.precision), ("strategy", self.strategy), ("compile", "on" if self.compile else "off")]
         if self.sharded:
             rows.append(("accumulation", self.accumulation))
+        if self.offload != "none":
+            rows.append(("offload", self.offload))
         if self.layouts:
             rows.append(("layout", self.why["layout"].split(":")[0]))
         if self.pipeline is not None:
@@ -312,12 +315,12 @@ def resolve_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
     memory_plan = cfg.memory.active
     compiled, why["compile"] = compile_decision(cfg.train.compile, _torch_device(ranks[0].kind), memory_plan)
     heads = [_head_dim(cfg, shape, r.capability, precision) for r in ranks]
-    strategy, mesh, why["strategy"] = _choose_strategy(cfg, shape, facts, precision, heads, compiled)
+    strategy, mesh, offload, why["strategy"] = _choose_strategy(cfg, shape, facts, precision, heads, compiled)
     shard = mesh[1] if mesh else world
     weights = _state_weights(cfg, ranks) if strategy == "zero1" else None
     shares = state_shares(parameter_sizes(shape), weights) if weights else [None] * world
-    unit_params, why["unit_params"] = _unit_params(cfg, shape, facts, strategy, shard, precision, heads)
-    layout_of = lambda acc: [_layout(strategy, shard, 4 if precision == "fp32" else 2, cfg.parallel.offload,  # noqa
+    unit_params, why["unit_params"] = _unit_params(cfg, shape, facts, strategy, shard, precision, heads, offload)
+    layout_of = lambda acc: [_layout(strategy, shard, 4 if precision == "fp32" else 2, offload,  # noqa
                                      unit_params, shares[r], acc) for r in range(world)]
     balance, link, why["accumulation"] = _balance(cfg, shape, facts, layout_of, precision, heads, compiled)
     layouts = layout_of(balance.accumulation)
@@ -327,9 +330,15 @@ def resolve_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:
     if link is not None and strategy in ("ddp", "zero1"):
         parts["collectives"] = collective_seconds(1 if strategy == "ddp" else 2, collective_bytes_per_step(
             shape, strategy, world, 1, layouts[0].gather_bytes), link.latency_s, link.bytes_per_s)
+    host_s = 0.0 if offload != "params" else offload_seconds(  # (a host optimizer's step is in the rank plans)
+        shape, shard, offload, layouts[0].gather_bytes, max(len(s.micro_batches) for s in balance.shares),
+        [r.device for r in ranks])
+    if host_s:  # the host's optimizer step and copies do not overlap the device's work
+        parts["host"] = host_s
     known = all(s.predicted_s > 0 for s in balance.shares if s.samples)
-    plan = RunPlan(world, precision, compiled, strategy, mesh, unit_params, cfg.parallel.offload,
-                   balance.accumulation, balance, rank_plans, link, max(parts.values()) if known else None,
+    step_s = max(v for k, v in parts.items() if k != "host") + host_s
+    plan = RunPlan(world, precision, compiled, strategy, mesh, unit_params, offload,
+                   balance.accumulation, balance, rank_plans, link, step_s if known else None,
                    parts if known else {}, why)
     plan.fingerprint = fingerprint(cfg, shape, ranks)
     plan.facts = {"seq_len": cfg.train.seq_len, "ranks": [r.to_dict() for r in ranks],
@@ -343,9 +352,6 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
     ranks, world = facts.ranks, len(facts.ranks)
     why: dict[str, str] = {}
     precision, why["precision"] = _precision(cfg, ranks)
-    if precision == "fp16":
-        raise ConfigError("parallel.pipeline does not train in fp16 (its loss scaling would have to agree across "
-                          "stages); set train.precision to bf16 or fp32")
     heads = [_head_dim(cfg, shape, r.capability, precision) for r in ranks]
     pipe = plan_pipeline(cfg, shape, [r.device for r in ranks], [r.speed for r in ranks],
                          [r.memory_bytes for r in ranks], precision, max(heads))
@@ -366,7 +372,8 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
         kernel = sdpa_backend(r.capability, precision, heads[r.rank]) if r.kind == "cuda" else "cpu"
         rank_plans.append(RankPlan(r.rank, r.node, r.host, r.device, r.memory_bytes, heads[r.rank], kernel, None,
                                    _stage_bytes(shape, pipe.layers[s], s == 0, s == pipe.stages - 1, cfg.train.optimizer),
-                                   summary=f"stage {s}, blocks {pipe.blocks(s).start}-{pipe.blocks(s).stop - 1}",
+                                   summary=f"stage {s}, blocks {pipe.blocks(s).start}-{pipe.blocks(s).stop - 1}"
+                                   + (", recomputed" if pipe.recompute else ""),
                                    predicted_peak_bytes=pipe.stage_bytes[s]))
     plan = RunPlan(world, precision, False, "pipeline", None, cfg.parallel.unit_params, "none", "sharded", balance,
                    rank_plans, None, None, {}, why, pipeline=pipe)
@@ -381,19 +388,17 @@ def _chosen_layout_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> R
     ranks = facts.ranks
     precision, _ = _precision(cfg, ranks)
     head = max(_head_dim(cfg, shape, r.capability, precision) for r in ranks)
-    cands = candidates(cfg, shape, [r.device for r in ranks], [r.node for r in ranks], [r.speed for r in ranks],
-                       [r.memory_bytes for r in ranks], precision, head, Links.declared(cfg))
-    if precision == "fp16":
-        for c in cands:
-            if c.stages:
-                c.fits, c.note = False, "pipelines do not train in fp16"
+    cands = candidates(cfg, shape, Ranks([r.device for r in ranks], [r.node for r in ranks], [r.speed for r in ranks],
+                                         [r.memory_bytes for r in ranks], {r.node: r.host_memory_bytes for r in ranks}),
+                       precision, head, Links.declared(cfg))
     best, line = choose(cands)
     pc = cfg.parallel
     if best.stages:
         chosen = pc.model_copy(update={"pipeline": pc.pipeline.model_copy(update={"stages": best.stages})})
     else:
         mesh = MeshConfig(replicate=best.mesh[0], shard=best.mesh[1]) if best.mesh else pc.mesh
-        chosen = pc.model_copy(update={"pipeline": None, "strategy": best.strategy, "mesh": mesh})
+        chosen = pc.model_copy(update={"pipeline": None, "strategy": best.strategy, "mesh": mesh,
+                                       "offload": best.offload})
     plan = resolve_plan(cfg.model_copy(update={"parallel": chosen}), shape, facts)
     plan.why["layout"] = line
     plan.layouts = [c.to_dict() for c in cands]
@@ -452,15 +457,17 @@ def _state_weights(cfg: RunConfig, ranks: list[RankFacts]) -> list[float] | None
 
 
 def _choose_strategy(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts, precision: str, heads: list[int],
-                     compiled: bool) -> tuple[str, tuple[int, int] | None, str]:
-    """(strategy, mesh, why): as configured, or the least sharding under which every rank fits."""
+                     compiled: bool) -> tuple[str, tuple[int, int] | None, str, str]:
+    """(strategy, mesh, offload, why): as configured, or the least sharding under which every rank
+    fits, FSDP with its shards on the host the last resort where `parallel.offload` is none."""
     pc, world, ranks = cfg.parallel, len(facts.ranks), facts.ranks
     if world == 1:
         note = f"; parallel.strategy={pc.strategy} has nothing to shard" if pc.strategy not in ("auto", "ddp") else ""
-        return "single", None, "one process" + note
+        return "single", None, pc.offload, "one process" + note
     shard, mesh = _shard_size(cfg, world)
     if pc.strategy != "auto":
-        return pc.strategy, (mesh or (1, world)) if pc.strategy in ("zero2", "fsdp") else None, "as configured"
+        return (pc.strategy, (mesh or (1, world)) if pc.strategy in ("zero2", "fsdp") else None, pc.offload,
+                "as configured")
     gather = 4 if precision == "fp32" else 2
     weights = _state_weights(cfg, ranks)
     shares = state_shares(parameter_sizes(shape), weights) if weights else None
@@ -475,7 +482,10 @@ def _choose_strategy(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts, precisi
                                             pc.unit_params, shares)
     except NoStrategyFits as err:
         raise ConfigError(str(err)) from None
-    return strategy, (mesh or (1, world)) if strategy in ("zero2", "fsdp") else None, why
+    strategy, offload = ("fsdp", "params") if strategy == HOST_PARAMS else (strategy, pc.offload)
+    if strategy == "fsdp" and offload == "params" and pc.offload == "none":
+        why = f"{why}; parallel.offload=params: weight, gradient and optimizer shards on the host"
+    return strategy, (mesh or (1, world)) if strategy in ("zero2", "fsdp") else None, offload, why
 
 
 def _strategy_by_plans(cfg, shape, facts, precision, heads, compiled, shard, gather, shares) -> tuple[str, str]:
@@ -497,6 +507,9 @@ def _strategy_by_plans(cfg, shape, facts, precision, heads, compiled, shard, gat
         if host_too:
             out[HOST_OPTIMIZER] = _fits(cfg, shape, view, ShardLayout(gather_bytes=gather), cfg.memory, 1, precision,
                                         heads[r], compiled, world)
+        if pc.offload == "none":
+            layout = _layout("fsdp", shard, gather, "params", pc.unit_params, None, "sharded")
+            out[HOST_PARAMS] = _fits(cfg, shape, view, layout, no_host, 1, precision, heads[r], compiled, world)
         return out
 
     return pick_strategy(facts.gather(verdicts), [r.device for r in facts.ranks])
@@ -535,7 +548,7 @@ def _fits(cfg, shape, view, layout, mem_cfg, micro, precision, head_dim, compile
 
 
 def _unit_params(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts, strategy: str, shard: int, precision: str,
-                 heads: list[int]) -> tuple[int, str]:
+                 heads: list[int], offload: str) -> tuple[int, str]:
     """FSDP's unit floor: as set, or by default `parallel.unit_params` unless a rank fits only with
     one block a unit (`memory.sharding.unit_size_that_fits`: every rank wraps the model alike)."""
     pc = cfg.parallel
@@ -545,7 +558,7 @@ def _unit_params(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts, strategy: s
         shape, cfg.train.seq_len, precision, h, floor=cfg.memory.active) if r.memory_bytes is not None else 0.0)
         for r, h in zip(facts.ranks, heads)]
     units, why = unit_size_that_fits(shape, cfg.train.optimizer, needs, strategy, shard,
-                                     4 if precision == "fp32" else 2, pc.offload, pc.unit_params)
+                                     4 if precision == "fp32" else 2, offload, pc.unit_params)
     return units, why or ""
 
 

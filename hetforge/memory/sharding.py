@@ -43,11 +43,16 @@ def strategy_needs(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], 
     return [static(i) + n.activation_bytes for i, n in enumerate(needs)]
 
 
+HOST_OPTIMIZER = "ddp+host-optimizer"
+HOST_PARAMS = "fsdp+host-params"  # FSDP2's CPU offload: weight, gradient and state shards on the host
+
+
 def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], shard_size: int,
                     gather_bytes: int = 4, offload: str = "none", unit_params: int = MIN_UNIT_PARAMS,
                     state_shares: list[float] | None = None) -> tuple[str, str]:
-    """(strategy, why in one line). Raises NoStrategyFits naming the rank short of memory.
-    `state_shares`: zero1's optimizer state split by memory (None: evenly)."""
+    """(strategy, why in one line): the least sharding under which every rank fits; where none does
+    and `offload` is "none", HOST_PARAMS if FSDP with its shards on the host fits. Raises
+    NoStrategyFits naming the rank short of memory. `state_shares`: zero1's optimizer state split by memory (None: evenly)."""
     if len(needs) <= 1:
         return "ddp", "one rank: nothing to shard"
     if all(n.budget is None for n in needs):
@@ -69,9 +74,15 @@ def choose_strategy(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed],
             return strategy, why
         n, t = max(short, key=lambda nt: nt[1] - nt[0].budget)
         tried.append(f"{strategy} needs {_gib(t)} on rank {n.rank} ({n.device}) with {_gib(n.budget)}")
+    if offload == "none":  # the last resort: FSDP with every shard on the host
+        totals = strategy_needs(shape, optimizer, needs, "fsdp", shard_size, gather_bytes, "params", unit_params)
+        short = _short(needs, totals)
+        if not short:
+            return HOST_PARAMS, f"auto: fsdp with its shards on the host ({'; '.join(tried)})"
+        n, t = max(short, key=lambda nt: nt[1] - nt[0].budget)
+        tried.append(f"{HOST_PARAMS} needs {_gib(t)} on rank {n.rank} ({n.device}) with {_gib(n.budget)}")
     raise NoStrategyFits("no data-parallel strategy fits: " + "; ".join(tried) +
-                         "; add ranks, use parallel.offload=params, an activation plan (memory.budget: auto), "
-                         "or a smaller model")
+                         "; add ranks, an activation plan (memory.budget: auto), or a smaller model")
 
 
 def unit_size_that_fits(shape: GPTNeoXConfig, optimizer: str, needs: list[RankNeed], strategy: str, shard_size: int,
@@ -105,14 +116,12 @@ def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
 
-HOST_OPTIMIZER = "ddp+host-optimizer"
-
-
 def pick_strategy(fits: list[dict[str, bool]], devices: list[str]) -> tuple[str, str]:
     """(strategy, why) from each rank's planner verdicts (strategy -> a plan fits at micro-batch 1):
     the first of the order every rank can take; DDP with the optimizer on the host only where no
-    sharding fits (its copies and host step cost every step). Raises NoStrategyFits."""
-    order = [s for s in (*STRATEGIES, HOST_OPTIMIZER) if all(s in f for f in fits)]
+    sharding fits (its copies and host step cost every step), then FSDP with its shards on the host
+    (HOST_PARAMS). Raises NoStrategyFits."""
+    order = [s for s in (*STRATEGIES, HOST_OPTIMIZER, HOST_PARAMS) if all(s in f for f in fits)]
     tried = []
     for s in order:
         short = [r for r, f in enumerate(fits) if not f[s]]
@@ -121,4 +130,4 @@ def pick_strategy(fits: list[dict[str, bool]], devices: list[str]) -> tuple[str,
             return pick, f"auto: {s}" + (f" ({'; '.join(tried)})" if tried else "") + ": every rank has a memory plan"
         tried.append(f"{s} has no plan on rank {short[0]} ({devices[short[0]]})")
     raise NoStrategyFits("no data-parallel strategy fits: " + "; ".join(tried) +
-                         "; add ranks, use parallel.offload=params, or a smaller model or micro-batch")
+                         "; add ranks, or use a smaller model or micro-batch")

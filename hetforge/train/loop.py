@@ -275,9 +275,9 @@ class Trainer:
             pc = cfg.parallel
             replicate, shard = plan.mesh
             self.mesh = device_mesh(self.ctx, self.device, replicate if replicate > 1 else None, shard)
-            shard_model(model, self.mesh, plan.strategy, pc.reshard_after_forward, pc.offload,
+            shard_model(model, self.mesh, plan.strategy, pc.reshard_after_forward, plan.offload,
                         self.precision.compute_dtype, plan.unit_params)
-            init_sharded(model, torch.device("cpu") if pc.offload == "params" else self.device, cfg.train.seed)
+            init_sharded(model, torch.device("cpu") if plan.offload == "params" else self.device, cfg.train.seed)
         return model
 
     # ------------------------------------------------------------------ build
@@ -291,11 +291,11 @@ class Trainer:
             self.observers.append(PlanCheckObserver(PlanCheck(
                 mine.predicted_held_bytes, mine.predicted_micro_step_s, mine.activation_peak_bytes,
                 plan.balance.shares[ctx.rank].micro_batch_size or 1, runner, self.device, cfg.memory.verify_tolerance)))
-        offload = mine.optimizer_offload or cfg.parallel.offload == "optimizer"
+        offload = mine.optimizer_offload or plan.offload == "optimizer"
         weights = [r.memory_bytes for r in plan.ranks] if mine.state_share is not None else None
         self.optimizer = build_optimizer(self.model, tc, self.device, offload=offload,
                                          zero1=plan.strategy == "zero1", state_weights=weights)
-        self.scaler = self.precision.grad_scaler()
+        self.scaler = self.precision.grad_scaler(synced=ctx.distributed)
         self.param_order = param_order(self.model)
         if self.state.last_checkpoint is not None:
             self.checkpoints.load_training(self.state.last_checkpoint, self.model, self.optimizer,

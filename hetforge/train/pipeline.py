@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.utils.checkpoint import checkpoint
 
 from hetforge.cluster.pipeline_plan import PipelinePlan
 from hetforge.data.shards import batch_from_numpy
@@ -48,29 +49,35 @@ def prune_to_stage(model: GPTNeoX, blocks: range, first: bool, last: bool) -> GP
 
 
 class StageModule(nn.Module):
-    """One stage's forward: token ids or hidden states in, hidden states or logits out."""
+    """One stage's forward: token ids or hidden states in, hidden states or logits out. With
+    `recompute`, each block keeps only its input and runs its forward again in the backward
+    (non-reentrant checkpointing, the dropout masks replayed)."""
 
-    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool):
+    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: bool = False):
         super().__init__()
-        self.model, self.blocks, self.first, self.last = model, blocks, first, last
+        self.model, self.blocks, self.first, self.last, self.recompute = model, blocks, first, last, recompute
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.model
         h = m.emb_dropout(m.embed_in(x)) if self.first else x
         cos, sin = m.rotary.cos_sin(h.shape[1], h.device)
         for i in self.blocks:
-            h = m.layers[i](h, cos, sin)
+            if self.recompute and torch.is_grad_enabled():
+                h = checkpoint(m.layers[i], h, cos, sin, use_reentrant=False)
+            else:
+                h = m.layers[i](h, cos, sin)
         return m.embed_out(m.final_layer_norm(h)) if self.last else h
 
 
 class StageLoss:
-    """The last stage's loss per micro-batch: summed token cross-entropy x weight / tokens."""
+    """The last stage's loss per micro-batch: summed token cross-entropy x weight / tokens, times
+    the fp16 loss scale (1 otherwise): the schedule runs the backward from it."""
 
     def __init__(self, loss_fn: nn.Module):
-        self.loss_fn, self.weight, self.tokens = loss_fn, 1.0, 1
+        self.loss_fn, self.weight, self.tokens, self.scale = loss_fn, 1.0, 1, 1.0
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(logits, targets) * self.weight / self.tokens
+        return self.loss_fn(logits, targets) * (self.weight * self.scale / self.tokens)
 
 
 @dataclass
@@ -100,10 +107,11 @@ class Pipeline:
         return self.plan.micro_batches[self.replica]
 
     def run(self, x: torch.Tensor, y: torch.Tensor, weight: float, tokens_per_step: int,
-            backward: bool = True) -> torch.Tensor:
+            backward: bool = True, scale: float = 1.0) -> torch.Tensor:
         """The replica's micro-batches through the stages (`x` and `y` whole: the schedule cuts
-        them); this rank's part of the step loss (the last stage's sum, float64; 0 elsewhere)."""
-        self.loss.weight, self.loss.tokens = weight, tokens_per_step
+        them), the backward from the loss times `scale`; this rank's part of the step loss,
+        unscaled (the last stage's sum, float64; 0 elsewhere)."""
+        self.loss.weight, self.loss.tokens, self.loss.scale = weight, tokens_per_step, scale
         losses: list[torch.Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
         if self.first:
@@ -115,7 +123,7 @@ class Pipeline:
         total = torch.zeros((), dtype=torch.float64, device=y.device)
         for loss in losses:
             total += loss.detach().double()
-        return total
+        return total / scale
 
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
         """Sum the stage's gradients over its replicas (one flat all-reduce)."""
@@ -155,7 +163,7 @@ def build_pipeline(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.
     pp_groups = [dist.new_group(plan.pipeline_ranks(r)) for r in range(plan.replicas)]
     dp_groups = [dist.new_group(plan.stage_ranks(s)) if plan.replicas > 1 else None for s in range(plan.stages)]
     s, r = plan.stage_of(rank), plan.replica_of(rank)
-    module = StageModule(model, plan.blocks(s), s == 0, s == plan.stages - 1)
+    module = StageModule(model, plan.blocks(s), s == 0, s == plan.stages - 1, plan.recompute)
     stage = PipelineStage(module, s, plan.stages, device, group=pp_groups[r])
     loss = StageLoss(loss_fn)
     n = max(plan.micro_batches[r], 1)  # a replica with no samples runs one micro-batch at weight zero
