@@ -31,7 +31,11 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
 def run_train(cfg, nproc: int, tmp_path, *extra, timeout=240, max_restarts=0) -> subprocess.CompletedProcess:
     path = tmp_path / f"{Path(cfg.run_dir).name}-{nproc}.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    cmd = torchrun_cmd(nproc, "-m", "hetforge", "train", str(path), *extra, max_restarts=max_restarts)
+    return run_torchrun(torchrun_cmd(nproc, "-m", "hetforge", "train", str(path), *extra, max_restarts=max_restarts),
+                        timeout)
+
+
+def run_torchrun(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     # its own session, so that a hung launch can be signalled whole; faulthandler prints every rank's
     # stacks on SIGABRT, so the failure says where each rank was waiting
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
@@ -86,8 +90,8 @@ def test_unequal_shares_give_the_global_batch_gradient(tmp_path, data_dir):
     import dist_worker
 
     out = tmp_path / "grads.pt"
-    res = subprocess.run(torchrun_cmd(2, str(ROOT / "tests" / "dist_worker.py"), str(out), str(data_dir), "3x3,5x3"),
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
+    res = run_torchrun(torchrun_cmd(2, str(ROOT / "tests" / "dist_worker.py"), str(out), str(data_dir), "3x3,5x3"),
+                       timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     got = torch.load(out, weights_only=True)
     # the same 8 samples as one micro-batch in one process
