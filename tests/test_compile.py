@@ -10,6 +10,7 @@ from hetforge.train.loop import train
 from hetforge.core.hardware import compile_decision
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_like_eager_and_the_cold_start_is_logged(make_cfg):
     eager = train(make_cfg("eager", steps=4, compile="off", eval_interval=100))
     compiled = train(make_cfg("compiled", steps=4, compile="on", eval_interval=100))

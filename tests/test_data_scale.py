@@ -100,6 +100,7 @@ def lab_config(lab_corpus, out: Path, **kw) -> DataConfig:
                       min_chars=50, **kw)
 
 
+@pytest.mark.slow
 def test_every_format_is_read_and_the_output_is_the_same_for_1_or_2_workers_and_3_tasks(lab_corpus, tmp_path):
     one = prepare(lab_config(lab_corpus, tmp_path / "one"), progress=False)
     r = one.meta["report"]

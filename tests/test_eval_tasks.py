@@ -64,6 +64,7 @@ def test_the_planted_answers_score_100_percent(planted):
     assert wrong.acc == 0.0
 
 
+@pytest.mark.slow
 def test_lm_eval_adapter_agrees(planted, capsys):
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install -e '.[eval]')")
     run, task = planted

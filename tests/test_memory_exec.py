@@ -70,6 +70,7 @@ def test_every_strategy_gives_the_keep_all_gradients(parallel):
     assert runner_of(model) is None
 
 
+@pytest.mark.slow
 def test_only_blocks_that_choose_per_unit_carry_the_labels():
     """The labeller's module hooks cost a Python call per submodule: a block that keeps, recomputes
     or offloads its input whole runs without them (its bytes are counted by storage), one that
@@ -194,6 +195,7 @@ def test_a_merge_of_a_padded_attention_output_is_kept():
     assert held["attn:keep-rebuild[norm-out] | mlp:keep"] < held["keep"]
 
 
+@pytest.mark.slow
 def test_the_profile_times_distinct_copies_of_the_block_and_frees_them():
     """Timing over a chain (`timing_depth`) runs that many copies of the block, each with its own
     weights, frees them afterwards, and leaves what it measures of memory (peaks, saved units, op
@@ -261,6 +263,7 @@ def test_planned_model_stays_within_the_budget(frac):
         assert held < keep.held_bytes * (frac + 0.1)
 
 
+@pytest.mark.slow
 def test_training_under_a_budget_matches_training_without(make_cfg, tmp_path):
     """Same losses step for step, and the loop's check of measured against predicted."""
     free = train(make_cfg("free", steps=5))

@@ -59,6 +59,7 @@ def _overflow_on_one_rank(rank: int, world: int, store_path: str, out: str) -> N
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_one_ranks_fp16_overflow_skips_every_ranks_step(tmp_path):
     """Where ranks hold different gradients (pipeline stages, shards), an overflow on one must skip
     the step and halve the scale on all of them, or their weights and scales part ways."""

@@ -80,6 +80,7 @@ def test_device_table_and_precision():
     assert rate.power_w == 8 * 300 + 4 * 400
 
 
+@pytest.mark.slow
 def test_fit_recovers_known_constants():
     true = LossLaw(2.0, 400.0, 1500.0, 0.34, 0.28)
     grid = [(n, d) for n in np.logspace(7, 9, 5) for d in np.logspace(8, 10.5, 5)]
