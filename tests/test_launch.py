@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from hetforge.cluster.launch import LaunchOptions, node_commands, sbatch_script
-from hetforge.config import NodeSpec, build_config
-from tests.conftest import tiny_raw
+from hetforge.config import NodeSpec
 from tests.test_distributed import ENV, ROOT
+from tests.test_two_nodes import uneven_nodes_config
 
 NODES = [NodeSpec.model_validate({"host": "node-a", "devices": [{"type": "V100", "count": 2, "memory_gb": 32}]}),
          NodeSpec.model_validate({"host": "node-b", "devices": [{"type": "P100"}, {"type": "cpu"}]}),
@@ -54,14 +53,7 @@ def test_the_printed_launch_trains_and_each_node_gets_its_devices(data_dir, tmp_
     """Node 0 declares two ranks of 1 GiB at speed 1, node 1 one rank of 3 GiB at speed 2: the
     plan gives node 1's rank its memory and twice the samples, whichever launcher joined first
     (under c10d the first gets the lowest ranks)."""
-    cluster = tmp_path / "cluster.yaml"
-    cluster.write_text(yaml.safe_dump({"nodes": [
-        {"host": "localhost", "devices": [{"type": "cpu", "count": 2, "memory_gb": 1.0, "speed": 1.0}]},
-        {"host": "localhost", "devices": [{"type": "cpu", "memory_gb": 3.0, "speed": 2.0}]}]}))
-    raw = tiny_raw(tmp_path / "run", data_dir, steps=3, global_batch_tokens=16 * 32, eval_interval=1000)
-    raw.update(cluster={"file": str(cluster)}, parallel={"link_gbps": 1.0})
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(build_config(raw).model_dump(mode="json")))
+    path = uneven_nodes_config(tmp_path, data_dir, ("localhost", "localhost"), 1.0)
     env = {**ENV, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     printed = subprocess.run([sys.executable, "-m", "hetforge", "launch", str(path), "--port", str(_free_port()),
                               "--max-restarts", "0", "--json"], cwd=ROOT, env=env, capture_output=True, text=True)

@@ -46,16 +46,22 @@ def test_the_link_is_shaped_and_the_namespaces_are_removed():
     assert not any(ns in listed for ns in made)
 
 
-def _run_config(tmp_path, data_dir) -> Path:
+def uneven_nodes_config(tmp_path, data_dir, hosts: tuple[str, str], link_gbps: float) -> Path:
+    """A run on two nodes: the first declares two ranks of 1 GiB at speed 1, the second one rank
+    of 3 GiB at speed 2, so the plan shows whether each node got its own devices."""
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(yaml.safe_dump({"nodes": [
-        {"host": "node-a", "devices": [{"type": "cpu", "count": 2, "memory_gb": 1.0, "speed": 1.0}]},
-        {"host": "node-b", "devices": [{"type": "cpu", "memory_gb": 3.0, "speed": 2.0}]}]}))
+        {"host": hosts[0], "devices": [{"type": "cpu", "count": 2, "memory_gb": 1.0, "speed": 1.0}]},
+        {"host": hosts[1], "devices": [{"type": "cpu", "memory_gb": 3.0, "speed": 2.0}]}]}))
     raw = tiny_raw(tmp_path / "run", data_dir, steps=3, global_batch_tokens=16 * 32, eval_interval=1000)
-    raw.update(cluster={"file": str(cluster)}, parallel={"link_gbps": 0.1})
+    raw.update(cluster={"file": str(cluster)}, parallel={"link_gbps": link_gbps})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(build_config(raw).model_dump(mode="json")))
     return path
+
+
+def _run_config(tmp_path, data_dir) -> Path:
+    return uneven_nodes_config(tmp_path, data_dir, ("node-a", "node-b"), 0.1)
 
 
 def _launch(nodes: TwoNodes, path: Path, hosts: tuple[str, str]) -> list[tuple[int, str]]:
