@@ -108,10 +108,9 @@ def candidates(cfg: RunConfig, shape: GPTNeoXConfig, ranks: Ranks, precision: st
     out = [_data_parallel(cfg, shape, s, mesh, offload, rates, ranks, precision, head_dim, links)
            for mesh in meshes for s in (OFFLOADS if mesh is None else ("fsdp",))
            for offload in (OFFLOADS[s] if cards else ("none",))]
-    devices, speeds, memory = ranks.devices, ranks.speeds, ranks.memory
     for stages in range(2, min(world, shape.n_layers) + 1):
         if world % stages == 0:
-            out.append(_pipeline(cfg, shape, stages, devices, nodes, speeds, memory, precision, head_dim, links, rates))
+            out.append(_pipeline(cfg, shape, stages, ranks, precision, head_dim, links))
     return out
 
 
@@ -135,29 +134,20 @@ def _parts(c: Candidate) -> str:
     return text + (f", bubble {c.bubble:.0%}" if c.stages else "")
 
 
-def _activation_bytes(shape: GPTNeoXConfig, micro: int, seq: int, precision: str, head_dim: int) -> float:
-    t = trace(shape, micro, seq, precision, head_dim)
-    return shape.n_layers * sum(u.bytes for u in t.units) + t.head_held
-
-
-def _recomputed_bytes(shape: GPTNeoXConfig, micro: int, seq: int, precision: str, head_dim: int) -> float:
-    """Activations when every block is recomputed in the backward: the blocks' inputs, and one
-    block's whole working set while it runs (the least an activation plan can hold)."""
-    t = trace(shape, micro, seq, precision, head_dim)
-    inputs = shape.n_layers * boundary_bytes(shape, micro, seq, 4 if precision == "fp32" else 2)
-    return inputs + sum(u.bytes for u in t.units) + t.head_held
-
-
 def _activations(cfg: RunConfig, shape, static: float, memory: list[float | None], precision: str,
                  head_dim: int) -> tuple[float, float]:
     """(activation bytes, compute factor): every activation kept, or where that does not fit a rank
-    and the run makes an activation plan (`memory.budget`), every block recomputed (a second forward:
-    4/3 of the step's FLOPs; the planner's per-tensor choice lies between the two)."""
+    and the run makes an activation plan (`memory.budget`), every block recomputed: the blocks'
+    inputs held, and one block's whole working set while it runs (a second forward: 4/3 of the
+    step's FLOPs; the planner's per-tensor choice lies between the two)."""
     micro, seq = cfg.train.micro_batch_size, cfg.train.seq_len
-    kept = _activation_bytes(shape, micro, seq, precision, head_dim)
+    t = trace(shape, micro, seq, precision, head_dim)
+    block = sum(u.bytes for u in t.units)
+    kept = shape.n_layers * block + t.head_held
     if not cfg.memory.active or all(m is None or WORKSPACE * (static + kept) <= m for m in memory):
         return kept, 1.0
-    return _recomputed_bytes(shape, micro, seq, precision, head_dim), 4 / 3
+    inputs = shape.n_layers * boundary_bytes(shape, micro, seq, 4 if precision == "fp32" else 2)
+    return inputs + block + t.head_held, 4 / 3
 
 
 def _data_parallel(cfg, shape, strategy, mesh, offload, rates, ranks: Ranks, precision, head_dim, links) -> Candidate:
@@ -224,21 +214,22 @@ def _host_side(cfg, shape, strategy, shard, offload, gather, micro_batches, rank
     return seconds, ""
 
 
-def _pipeline(cfg, shape, stages, devices, nodes, speeds, memory, precision, head_dim, links, rates) -> Candidate:
-    name = f"pipeline {stages} stages x {len(devices) // stages}"
+def _pipeline(cfg, shape, stages, ranks: Ranks, precision, head_dim, links) -> Candidate:
+    nodes = ranks.nodes
+    name = f"pipeline {stages} stages x {len(ranks.devices) // stages}"
     trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
         "pipeline": cfg.parallel.pipeline.model_copy(update={"stages": stages, "layers": None})})})
     try:
-        pipe = plan_pipeline(trial, shape, devices, speeds, memory, precision, head_dim)
+        pipe = plan_pipeline(trial, shape, ranks.devices, ranks.speeds, ranks.memory, precision, head_dim)
     except ConfigError as err:
         return Candidate(name, "pipeline", None, stages, False, None, 0.0, 0.0, 0.0, float("inf"), str(err))
     seq, micro = cfg.train.seq_len, pipe.micro_batch_size
     elt = 4 if precision == "fp32" else 2
     step = busy = traffic = 0.0
     for r in range(pipe.replicas):
-        ranks, n = pipe.pipeline_ranks(r), pipe.micro_batches[r]
+        chain, n = pipe.pipeline_ranks(r), pipe.micro_batches[r]
         computes = pipe.stage_micro_s  # a micro-batch's forward and backward on each stage's slowest rank
-        hops = [boundary_bytes(shape, micro, seq, elt) / links.between(nodes[ranks[s]] != nodes[ranks[s + 1]])
+        hops = [boundary_bytes(shape, micro, seq, elt) / links.between(nodes[chain[s]] != nodes[chain[s + 1]])
                 + links.latency_s for s in range(stages - 1)]
         slot = max(computes + hops)
         step = max(step, (n + stages - 1) * slot if n else 0.0)
