@@ -12,7 +12,10 @@
 5. FORGE-s attention (head size 86) padded to 88 against as is: forward + backward time and peak;
 6. the loop's per-rank compute timer (CUDA events, read without a sync) against a synchronised
    wall clock;
-7. fp16 with loss scaling against bf16: the loss after the same steps.
+7. fp16 with loss scaling against bf16: the loss after the same steps;
+8. a pipeline on the card: one rank running the model as two chunks (the interleaved schedule's
+   machinery, on `torch.distributed.pipelining`), its loss and gradients against one plain
+   forward and backward.
 
 `--dry-run` runs the same steps on the CPU with tiny sizes, so the script is known to work before a
 GPU is lent. Last line: one JSON object with the figures (also in $OUT/results.json).
@@ -53,6 +56,7 @@ GPU = {
     "seq": 2048, "vocab": 50304, "tokens": 8192, "plan_model": ("125m", 8), "plan_steps": 5,
     "precision_steps": 200, "precision_model": ("125m", 8),
     "padding_shape": (2064, 24, 4, 2048), "padding_repeats": 5,  # FORGE-s: head size 86
+    "pipeline_model": ("125m", 2),
 }
 ANALYTIC: dict = {}
 
@@ -61,6 +65,7 @@ DRY = {  # the CPU has no fast fp16: its steps are few
     "seq": 64, "vocab": None, "tokens": 512, "plan_model": ("tiny", 2), "plan_steps": 5,
     "precision_steps": 8, "precision_model": ("tiny", 2),
     "padding_shape": (60, 4, 2, 64), "padding_repeats": 2,  # head size 15
+    "pipeline_model": ("tiny", 2),
 }
 
 
@@ -322,6 +327,62 @@ def fsdp_memory(spec: dict, device: str) -> dict:
         dist.destroy_process_group()
 
 
+def pipeline_smoke(spec: dict, device: str) -> dict:
+    """hetforge's pipeline on this device: a world of one (one GPU holds one NCCL rank) running the
+    model as two virtual stages under `ScheduleInterleaved1F1B`, so stage modules, the schedule's
+    micro-batch cuts, the loss over global tokens and the backward all run on the card; its loss
+    and gradients against one plain forward and backward of the same model (fp32: TF32 off).
+    Multi-rank pipelines are tested on CPU ranks (tests/test_pipeline.py)."""
+    import copy
+    import tempfile
+
+    import torch.distributed as dist
+
+    from hetforge.cluster.pipeline_plan import PipelinePlan
+    from hetforge.model.presets import PRESETS
+    from hetforge.train.pipeline import build_pipeline
+    from hetforge.train.step import TokenLoss
+
+    preset, micro = spec["pipeline_model"]
+    cfg = GPTNeoXConfig(n_layers=4, d_model=64, n_heads=4, d_ff=256, vocab_size=512, tie_embeddings=False) \
+        if preset == "tiny" else GPTNeoXConfig(**{**PRESETS[preset].to_dict(), "n_layers": 4,
+                                                    "vocab_size": spec["vocab"], "tie_embeddings": False})
+    store = tempfile.mktemp(prefix="hetforge-pipe-store-")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        dev = torch.device(device)
+        model = GPTNeoX.build(cfg, dev, 0)
+        reference = copy.deepcopy(model)
+        n = 4
+        plan = PipelinePlan(1, 1, [cfg.n_layers], micro, [n], ["interleaved"], [1.0], [0.0], "gpu smoke", virtual=2)
+        pipe = build_pipeline(plan, 0, model, dev, TokenLoss())
+        gen = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, cfg.vocab_size, (n * micro, spec["seq"] + 1), generator=gen).to(dev)
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+        if device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = float(pipe.run(x, y, 1.0, y.numel()))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+        want = F.cross_entropy(reference(x).float().flatten(0, 1), y.flatten(), reduction="sum") / y.numel()
+        want.backward()
+        want = want.detach()
+        ours = dict(model.named_parameters())
+        worst = max(float((ours[k].grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12))
+                    for k, p in reference.named_parameters())
+        out = {"model": preset, "layers": cfg.n_layers, "virtual_stages": 2, "micro_batches": n, "loss": loss,
+               "reference_loss": float(want), "loss_rel_diff": abs(loss - float(want)) / abs(float(want)),
+               "grad_max_rel_diff": worst, "seconds": seconds}
+        print(f"pipeline (1 rank, 2 chunks, {n} micro-batches) {preset}: loss {loss:.5f} vs {float(want):.5f}, "
+              f"gradients within {worst:.1e} (relative to each tensor's largest)", flush=True)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU with tiny sizes")
@@ -349,6 +410,7 @@ def main() -> None:
                      ("head_padding", lambda: head_padding(spec, device)),
                      ("rank_timer", lambda: rank_timer(spec, device)),
                      ("fsdp_memory", lambda: fsdp_memory(spec, device)),
+                     ("pipeline_smoke", lambda: pipeline_smoke(spec, device)),
                      ("precision_losses", lambda: precisions(out, spec, device, peaks))):
         t = time.perf_counter()
         results[key] = run()
@@ -372,7 +434,8 @@ def main() -> None:
                       "fsdp_state_vs_plan": round(results["fsdp_memory"]["state_ratio"], 3),
                       "fsdp_peak_vs_plan": round(results["fsdp_memory"]["peak_ratio"], 3)
                       if results["fsdp_memory"]["peak_ratio"] else None,
-                      "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4)},
+                      "fp16_vs_bf16": round(results["precision_losses"]["relative_difference"], 4),
+                      "pipeline_grad_rel_diff": float(f"{results['pipeline_smoke']['grad_max_rel_diff']:.3g}")},
            save=not args.dry_run)
 
 

@@ -377,15 +377,19 @@ class PipelineConfig(_Strict):
 
     layers: blocks per stage, first to last (null: sized to each stage's speed and memory);
     schedule: 1f1b (one forward, one backward: a stage holds at most `stages` micro-batches'
-    activations) or gpipe (all forwards, then all backwards); auto = 1f1b where a pipeline has at
-    least as many micro-batches as stages, else gpipe; recompute: blocks (each block's activations
+    activations), gpipe (all forwards, then all backwards) or interleaved (each rank holds
+    `virtual_stages` chunks of its blocks, looped: the fill and drain shrink by that factor, for as
+    many times the boundary traffic and more activations in flight); auto = 1f1b where a pipeline
+    has at least as many micro-batches as stages, else gpipe (under stages: auto the planner prices
+    interleaved too); recompute: blocks (each block's activations
     recomputed in its backward: a stage holds only its blocks' inputs per in-flight micro-batch,
     for 4/3 of the blocks' FLOPs), none, or auto = blocks only where a stage's kept activations
     do not fit its memory."""
 
     stages: int | Literal["auto"] = Field(...)
     layers: list[int] | None = None
-    schedule: Literal["auto", "1f1b", "gpipe"] = "auto"
+    schedule: Literal["auto", "1f1b", "gpipe", "interleaved"] = "auto"
+    virtual_stages: int = Field(2, ge=2)  # chunks per rank under the interleaved schedule
     recompute: Literal["auto", "none", "blocks"] = "auto"
 
     @model_validator(mode="after")
@@ -401,8 +405,10 @@ class PipelineConfig(_Strict):
             if len(self.layers) != self.stages:
                 raise ValueError(f"parallel.pipeline.layers has {len(self.layers)} entries for {self.stages} stages; "
                                  f"give one block count per stage")
-            if any(n < 1 for n in self.layers):
-                raise ValueError(f"parallel.pipeline.layers {self.layers}: every stage needs at least one block")
+            least = self.virtual_stages if self.schedule == "interleaved" else 1
+            if any(n < least for n in self.layers):
+                raise ValueError(f"parallel.pipeline.layers {self.layers}: every stage needs at least {least} "
+                                 f"block(s)" + (f" (one per chunk of the interleaved schedule)" if least > 1 else ""))
         return self
 
 

@@ -173,6 +173,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert out["precision_losses"]["relative_difference"] < 0.02
     assert (out["head_padding"]["unpadded"]["head_dim"], out["head_padding"]["padded"]["head_dim"]) == (15, 16)
     assert out["head_padding"]["speedup"] > 0 and 0 < out["rank_timer"]["median_ratio"] <= 1.0
+    pipe = out["pipeline_smoke"]  # two chunks on one rank give one plain forward and backward's gradients
+    assert pipe["virtual_stages"] == 2 and pipe["loss_rel_diff"] <= 1e-6 and pipe["grad_max_rel_diff"] <= 1e-5
     assert (tmp_path / "gpu_check.log").stat().st_size > 0
     assert json.loads(res.stdout.strip().splitlines()[-1])["bench"] == "gpu_check"
 

@@ -24,7 +24,8 @@ def cpus(n: int) -> dict:
     return {"nodes": [{"host": "localhost", "devices": [{"type": "cpu"} for _ in range(n)]}]}
 
 
-def piped(make_cfg, name: str, world: int, stages: int, shares=None, layers=None, n_layers=2, **train_kw):
+def piped(make_cfg, name: str, world: int, stages: int, shares=None, layers=None, n_layers=2, schedule="auto",
+          **train_kw):
     cfg = make_cfg(name, **train_kw)
     cluster = cpus(world)
     if shares is not None:
@@ -32,7 +33,7 @@ def piped(make_cfg, name: str, world: int, stages: int, shares=None, layers=None
     raw = cfg.model_dump(mode="json")
     raw["cluster"] = cluster
     raw["model"]["n_layers"] = n_layers
-    raw["parallel"] = {"pipeline": {"stages": stages, **({"layers": layers} if layers else {})}}
+    raw["parallel"] = {"pipeline": {"stages": stages, "schedule": schedule, **({"layers": layers} if layers else {})}}
     return build_config(raw)
 
 
@@ -51,20 +52,24 @@ def refs(tmp_path_factory, data_dir):
     return {n: reference_run(root, data_dir, n) for n in (2, 4)}
 
 
-CASES = {  # world, stages, replica shares (samples, micro-batch) or None (equal), blocks per stage, model blocks
-    "2-stages": (2, 2, None, None, 2),
-    "2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 2),
-    "2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 2),
-    "uneven-1+3": (2, 2, None, [1, 3], 4),
+CASES = {  # world, stages, replica shares (samples, micro-batch) or None (equal), blocks per stage, model blocks,
+    # schedule (interleaved: two chunks a rank, the blocks looped 0,2 | 1,3 over the ranks)
+    "2-stages": (2, 2, None, None, 2, "auto"),
+    "2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 2, "auto"),
+    "2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 2, "auto"),
+    "uneven-1+3": (2, 2, None, [1, 3], 4, "auto"),
+    "interleaved": (2, 2, None, None, 4, "interleaved"),
+    "interleaved-2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 4, "interleaved"),
+    "interleaved-2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 4, "interleaved"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_update_equals_one_process(make_cfg, tmp_path, refs, case):
-    world, stages, shares, layers, n_layers = CASES[case]
-    cfg = piped(make_cfg, f"pipe-{case}", world, stages, shares, layers, n_layers, steps=5, micro_batch_size=2,
-                global_batch_tokens=8 * 32, checkpoint_interval=5, eval_interval=1000)
+    world, stages, shares, layers, n_layers, schedule = CASES[case]
+    cfg = piped(make_cfg, f"pipe-{case}", world, stages, shares, layers, n_layers, schedule, steps=5,
+                micro_batch_size=2, global_batch_tokens=8 * 32, checkpoint_interval=5, eval_interval=1000)
     res = run_train(cfg, world, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "data parallelism: pipeline" in res.stdout
@@ -77,6 +82,8 @@ def test_pipeline_update_equals_one_process(make_cfg, tmp_path, refs, case):
     assert plan["strategy"] == "pipeline" and sum(plan["pipeline"]["layers"]) == n_layers
     if layers:
         assert plan["pipeline"]["layers"] == layers
+    if schedule == "interleaved":
+        assert plan["pipeline"]["virtual"] == 2 and set(plan["pipeline"]["schedules"]) == {"interleaved"}
     if shares:
         assert [s["samples"] for s in plan["balance"]["shares"]] == [n for n, _ in shares]
 
@@ -159,6 +166,40 @@ def test_inflight_micro_batches_follow_the_schedule():
     assert [inflight("1f1b", 4, s, 8) for s in range(4)] == [4, 3, 2, 1]
     assert [inflight("1f1b", 4, s, 2) for s in range(4)] == [2, 2, 2, 1]
     assert inflight("gpipe", 4, 0, 8) == 8
+    # interleaved, 2 chunks: PyTorch's warm-up forwards ((chunks - 1) x a round + 2 per hop from
+    # the last stage) and one more, in chunk micro-batches
+    assert [inflight("interleaved", 4, s, 8, 2) for s in range(4)] == [11, 9, 7, 5]
+    assert inflight("interleaved", 4, 0, 2, 2) == 4  # capped at every chunk micro-batch
+
+
+def test_interleaved_chunks_loop_over_the_ranks():
+    """Two stages, two chunks each, blocks 3 + 2: chunk c of stage p is virtual stage 2c + p, so the
+    blocks run 0-1 (stage 0), 2 (stage 1), 3 (stage 0), 4 (stage 1); the fill and drain are half
+    a slot a step, not one."""
+    plan = PipelinePlan(2, 1, [3, 2], 2, [4], ["interleaved"], [1.0, 1.0], [0.0, 0.0], "", virtual=2)
+    assert plan.chunk_layers(0) == [2, 1] and plan.chunk_layers(1) == [1, 1]
+    assert [list(plan.virtual_blocks(g)) for g in range(4)] == [[0, 1], [2], [3], [4]]
+    assert plan.chunks(0) == [0, 2] and plan.blocks(0) == [0, 1, 3] and plan.blocks(1) == [2, 4]
+    assert plan.blocks_text(0) == "0-1,3-3"
+    assert plan.slots(0) == 4.5 and plan.bubble(0) == pytest.approx(0.5 / 4.5)
+
+
+def test_interleaved_plan_and_its_errors():
+    cfg = _cfg(2, 2, pipeline={"schedule": "interleaved", "virtual_stages": 4})
+    plan = plan_pipeline(cfg, SHAPE, ["V100"] * 2, [None] * 2, [None] * 2, "fp32", 16)
+    assert plan.virtual == 4 and plan.layers == [4, 4] and plan.schedules == ["interleaved"]
+    assert sorted(i for s in range(2) for i in plan.blocks(s)) == list(range(8))
+    with pytest.raises(ConfigError, match="4 stages x 4 chunks each need 16 blocks; the model has 8"):
+        plan_pipeline(_cfg(4, 4, pipeline={"schedule": "interleaved", "virtual_stages": 4}), SHAPE, ["cpu"] * 4,
+                      [None] * 4, [None] * 4, "fp32", 16)
+    # 5 micro-batches on 4 stages: one round of 5 runs; 6 on 4 stages: 1 round of 6; 10 on 4 stages: 2 of 5;
+    # 9 on 4 stages: 2 rounds do not split 9
+    odd = _cfg(4, 4, pipeline={"schedule": "interleaved"}, train={"seq_len": 32, "micro_batch_size": 1,
+                                                                    "global_batch_tokens": 9 * 32})
+    with pytest.raises(ConfigError, match="in 2 equal rounds; a replica has 9"):
+        plan_pipeline(odd, SHAPE, ["cpu"] * 4, [None] * 4, [None] * 4, "fp32", 16)
+    with pytest.raises(ValueError, match="at least 2 block\\(s\\) \\(one per chunk"):
+        _cfg(2, 2, pipeline={"schedule": "interleaved", "layers": [1, 7]})
 
 
 def _cfg(world: int, stages: int, **over):
@@ -269,21 +310,29 @@ def test_a_slow_link_picks_the_pipeline_and_a_fast_one_fsdp():
     assert not any(c.fits for c in offloaded)
     assert "node 0's host needs" in next(c for c in offloaded if c.layout == "fsdp + params offload").note
     fits = {c.layout.split(" (")[0] for c in slow if c.fits}
-    assert fits == {"fsdp", "pipeline 4 stages x 1"}
+    assert fits == {"fsdp", "pipeline 4 stages x 1", "pipeline 4 stages x 1 interleaved x2"}
     best, line = choose(slow)
-    assert best.stages == 4 and "against fsdp's" in line
+    by = {c.layout.split(" (")[0]: c for c in slow}
+    looped = by["pipeline 4 stages x 1 interleaved x2"]
+    # the link binds: two chunks a stage send each micro-batch's activations twice as often, so
+    # the interleaved pipeline's shorter fill and drain does not pay
+    assert best.stages == 4 and best.schedule == "auto" and "against pipeline 4 stages x 1 interleaved" in line
+    assert looped.comm_s == pytest.approx(2 * best.comm_s) and looped.step_s > best.step_s
     fsdp = next(c for c in slow if c.layout == "fsdp")
     # FSDP's step is its collectives: each micro-batch gathers the weights twice and reduce-scatters
     # the gradients, over the inter-node link (ring: (4-1)/4 of the buffer each)
     sent = collective_bytes_per_step(BIG, "fsdp", 4, 4, 4)
     assert fsdp.comm_s == pytest.approx(sent / links.inter_bytes_per_s + 8 * links.latency_s)
     assert fsdp.step_s == fsdp.comm_s > 100 * best.step_s
-    # the pipeline's: 16 micro-batches + 3 fill/drain slots of its slowest stage
-    assert best.bubble == pytest.approx(3 / 19)
+    # the pipeline's: 16 micro-batches + 3 fill/drain slots of its slowest stage; interleaved: 3 / 2
+    assert best.bubble == pytest.approx(3 / 19) and looped.bubble == pytest.approx(1.5 / 17.5)
     _, _, fast = _layouts(800.0)
     best_fast, line_fast = choose(fast)
     assert best_fast.layout == "fsdp" and best_fast.step_s == pytest.approx(best_fast.compute_s)
-    assert "against pipeline 4 stages" in line_fast
+    assert "against pipeline 4 stages x 1 interleaved x2" in line_fast
+    by_fast = {c.layout.split(" (")[0]: c for c in fast}
+    # where compute binds, the shorter fill and drain wins: 17.5 slots against 19
+    assert by_fast["pipeline 4 stages x 1 interleaved x2"].step_s < by_fast["pipeline 4 stages x 1"].step_s
 
 
 def test_offload_is_priced_with_the_hosts_step_and_copies_and_fits_the_hosts_memory():

@@ -10,9 +10,10 @@ its state on the host, where the strategy allows: DDP with optimizer offload, Ze
 FSDP2's parameter offload; that adds the host's AdamW step over the rank's parameters and the
 copies over the card's host link, and the node's ranks together must fit its host memory
 (`memory_gb` of a node in the cluster file) where that is declared. A pipeline's step is
-(micro-batches + stages - 1) slots of its slowest stage, a slot being the stage's compute or its
-boundary's traffic (activations forward, their gradients back), whichever is longer, then the sum
-of a stage's gradients over its replicas. A layout fits when every rank's static bytes and
+(micro-batches + (stages - 1) / chunks) slots of its slowest stage, a slot being the stage's
+compute or its boundary's traffic (activations forward, their gradients back, once per chunk),
+whichever is longer, then the sum of a stage's gradients over its replicas; where the schedule is
+auto, each stage count is priced with 1F1B (or GPipe) and with the interleaved schedule. A layout fits when every rank's static bytes and
 activations fit its memory. The plan records every candidate, and says why the chosen one beat the
 runner-up.
 """
@@ -23,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from hetforge.cluster.pipeline_plan import plan_pipeline, rank_rates
-from hetforge.config import ConfigError, RunConfig
+from hetforge.config import ConfigError, PipelineConfig, RunConfig
 from hetforge.core.sizes import format_bytes
 from hetforge.core.hardware import lookup
 from hetforge.memory.analytic import HOST_STEP_S_PER_PARAM, trace
@@ -72,6 +73,7 @@ class Candidate:
     note: str  # why it does not fit, or what its time is made of
     offload: str = "none"  # parallel.offload: none | optimizer | params
     host_s: float = 0.0  # the host's optimizer step and the copies to and from it
+    schedule: str | None = None  # a pipeline's parallel.pipeline.schedule
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -108,9 +110,14 @@ def candidates(cfg: RunConfig, shape: GPTNeoXConfig, ranks: Ranks, precision: st
     out = [_data_parallel(cfg, shape, s, mesh, offload, rates, ranks, precision, head_dim, links)
            for mesh in meshes for s in (OFFLOADS if mesh is None else ("fsdp",))
            for offload in (OFFLOADS[s] if cards else ("none",))]
+    pc = cfg.parallel.pipeline
+    schedules = [pc.schedule if pc is not None else "auto"]
+    if schedules[0] == "auto":
+        schedules.append("interleaved")
     for stages in range(2, min(world, shape.n_layers) + 1):
-        if world % stages == 0:
-            out.append(_pipeline(cfg, shape, stages, ranks, precision, head_dim, links))
+        for schedule in schedules:
+            if world % stages == 0 and (schedule != "interleaved" or 2 * stages <= shape.n_layers):
+                out.append(_pipeline(cfg, shape, stages, schedule, ranks, precision, head_dim, links))
     return out
 
 
@@ -214,25 +221,30 @@ def _host_side(cfg, shape, strategy, shard, offload, gather, micro_batches, rank
     return seconds, ""
 
 
-def _pipeline(cfg, shape, stages, ranks: Ranks, precision, head_dim, links) -> Candidate:
+def _pipeline(cfg, shape, stages, schedule, ranks: Ranks, precision, head_dim, links) -> Candidate:
     nodes = ranks.nodes
     name = f"pipeline {stages} stages x {len(ranks.devices) // stages}"
+    pc = cfg.parallel.pipeline or PipelineConfig(stages="auto")
+    if schedule == "interleaved":
+        name += f" interleaved x{pc.virtual_stages}"
     trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
-        "pipeline": cfg.parallel.pipeline.model_copy(update={"stages": stages, "layers": None})})})
+        "pipeline": pc.model_copy(update={"stages": stages, "layers": None, "schedule": schedule})})})
     try:
         pipe = plan_pipeline(trial, shape, ranks.devices, ranks.speeds, ranks.memory, precision, head_dim)
     except ConfigError as err:
-        return Candidate(name, "pipeline", None, stages, False, None, 0.0, 0.0, 0.0, float("inf"), str(err))
+        return Candidate(name, "pipeline", None, stages, False, None, 0.0, 0.0, 0.0, float("inf"), str(err),
+                         schedule=schedule)
     seq, micro = cfg.train.seq_len, pipe.micro_batch_size
     elt = 4 if precision == "fp32" else 2
     step = busy = traffic = 0.0
     for r in range(pipe.replicas):
         chain, n = pipe.pipeline_ranks(r), pipe.micro_batches[r]
         computes = pipe.stage_micro_s  # a micro-batch's forward and backward on each stage's slowest rank
-        hops = [boundary_bytes(shape, micro, seq, elt) / links.between(nodes[chain[s]] != nodes[chain[s + 1]])
-                + links.latency_s for s in range(stages - 1)]
+        pairs = [(s, s + 1) for s in range(stages - 1)] + ([(stages - 1, 0)] if pipe.virtual > 1 else [])
+        hops = [pipe.virtual * (boundary_bytes(shape, micro, seq, elt) / links.between(nodes[chain[a]] != nodes[chain[b]])
+                                + links.latency_s) for a, b in pairs]  # once per chunk a micro-batch passes
         slot = max(computes + hops)
-        step = max(step, (n + stages - 1) * slot if n else 0.0)
+        step = max(step, pipe.slots(r) * slot)
         busy, traffic = max(busy, n * max(computes)), max(traffic, n * max(hops))
     reduce = 0.0
     if pipe.replicas > 1:  # a stage's gradients summed over its replicas, after the schedule
@@ -243,4 +255,4 @@ def _pipeline(cfg, shape, stages, ranks: Ranks, precision, head_dim, links) -> C
             reduce = max(reduce, sent / links.between(len({nodes[x] for x in group}) > 1) + links.latency_s)
     bubble = max(pipe.bubble(r) for r in range(pipe.replicas))
     return Candidate(f"{name} (blocks {'+'.join(map(str, pipe.layers))})", "pipeline", None, stages, True,
-                     step + reduce, busy, traffic + reduce, bubble, max(pipe.stage_bytes), pipe.why)
+                     step + reduce, busy, traffic + reduce, bubble, max(pipe.stage_bytes), pipe.why, schedule=schedule)

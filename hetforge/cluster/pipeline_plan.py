@@ -13,6 +13,11 @@ do not fit (or `parallel.pipeline.recompute: blocks`), every block is recomputed
 a stage then holds its blocks' inputs per in-flight micro-batch and one block's working set, and
 its blocks cost 4/3 of their FLOPs.
 
+With the interleaved schedule each rank of a pipeline holds `virtual` chunks of its blocks (virtual
+stages, looped: chunk c of stage p is virtual stage c x stages + p), so a micro-batch passes each
+rank `virtual` times: the fill and drain shrink to (stages - 1) / virtual slots, for `virtual` times
+the boundary traffic and more micro-batches' activations in flight (PyTorch's warm-up count).
+
 Replicas get whole micro-batches of one size (a stage's buffers are sized by the first one): in
 proportion to their speed with `cluster.balance: auto`, equal parts with `equal`, and with `fixed`
 the `cluster.assignments` given per replica. A replica's step takes (micro-batches + stages - 1)
@@ -47,6 +52,7 @@ class PipelinePlan:
     stage_bytes: list[float]  # predicted peak bytes of each stage's ranks
     why: str
     recompute: bool = False  # every block's activations recomputed in its backward
+    virtual: int = 1  # chunks (virtual stages) per rank: above 1 under the interleaved schedule
 
     def stage_of(self, rank: int) -> int:
         return rank // self.replicas
@@ -54,9 +60,36 @@ class PipelinePlan:
     def replica_of(self, rank: int) -> int:
         return rank % self.replicas
 
-    def blocks(self, stage: int) -> range:
-        start = sum(self.layers[:stage])
-        return range(start, start + self.layers[stage])
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.virtual
+
+    def chunk_layers(self, stage: int) -> list[int]:
+        """The stage's blocks in its `virtual` chunks, as even as can be (the larger ones first)."""
+        n, v = self.layers[stage], self.virtual
+        return [n // v + (c < n % v) for c in range(v)]
+
+    def virtual_blocks(self, index: int) -> range:
+        """The blocks of virtual stage `index` (chunk index // stages of stage index % stages)."""
+        start = sum(self.chunk_layers(g % self.stages)[g // self.stages] for g in range(index))
+        return range(start, start + self.chunk_layers(index % self.stages)[index // self.stages])
+
+    def chunks(self, stage: int) -> list[int]:
+        """The virtual stages a stage's ranks run, first to last."""
+        return [c * self.stages + stage for c in range(self.virtual)]
+
+    def blocks(self, stage: int) -> list[int]:
+        """Every block a stage's ranks hold."""
+        return [i for g in self.chunks(stage) for i in self.virtual_blocks(g)]
+
+    def blocks_text(self, stage: int) -> str:
+        return ",".join(f"{b.start}-{b.stop - 1}" for b in map(self.virtual_blocks, self.chunks(stage)))
+
+    def slots(self, replica: int) -> float:
+        """A replica's step in micro-batch slots of its slowest stage: its micro-batches, and the
+        fill and drain ((stages - 1) / virtual)."""
+        n = self.micro_batches[replica]
+        return n + (self.stages - 1) / self.virtual if n else 0.0
 
     def pipeline_ranks(self, replica: int) -> list[int]:
         return [s * self.replicas + replica for s in range(self.stages)]
@@ -66,8 +99,7 @@ class PipelinePlan:
 
     def bubble(self, replica: int) -> float:
         """The share of the replica's step its stages idle while the pipeline fills and drains."""
-        n = self.micro_batches[replica]
-        return (self.stages - 1) / (n + self.stages - 1) if n else 0.0
+        return (self.stages - 1) / self.virtual / self.slots(replica) if self.micro_batches[replica] else 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,16 +124,25 @@ def rank_rates(cfg: RunConfig, devices: list[str], speeds: list[float | None], p
     return out
 
 
-def inflight(schedule: str, stages: int, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once."""
+def inflight(schedule: str, stages: int, stage: int, micro_batches: int, virtual: int = 1) -> int:
+    """Micro-batches whose activations a stage holds at once; under the interleaved schedule,
+    chunk micro-batches (PyTorch's warm-up forwards, then one more before the first backward)."""
     if schedule == "gpipe":
         return micro_batches
+    if schedule == "interleaved":
+        per_round = micro_batches // max(1, micro_batches // stages)
+        return min((virtual - 1) * per_round + 2 * (stages - 1 - stage) + 1, micro_batches * virtual)
     return min(stages - stage, micro_batches)
 
 
+def interleaved_fits(micro_batches: int, stages: int) -> bool:
+    """PyTorch's interleaved 1F1B runs micro-batches in rounds of equal size (max(1, n // stages) of them)."""
+    return micro_batches % max(1, micro_batches // stages) == 0
+
+
 def split_blocks(n_layers: int, costs: list[tuple[float, float]], memory: list[float | None],
-                 bytes_of) -> list[int]:
-    """Blocks per stage minimising the slowest stage's time, within each stage's memory.
+                 bytes_of, least: int = 1) -> list[int]:
+    """Blocks per stage (at least `least` each) minimising the slowest stage's time, within each stage's memory.
     `costs[s]` = (seconds per block, fixed seconds of the stage: embedding or head, rate divisor
     folded in); `bytes_of(stage, blocks)` = the stage's peak bytes. Exact (dynamic programming
     over the cut points); raises ConfigError naming the stage and its shortfall when no split fits."""
@@ -113,20 +154,21 @@ def split_blocks(n_layers: int, costs: list[tuple[float, float]], memory: list[f
     best[0][0] = 0.0
     for s in range(stages):
         per_block, fixed = costs[s][0], costs[s][1]
-        for k in range(s, n_layers + 1):
+        for k in range(s * least, n_layers + 1):
             if best[s][k] == inf:
                 continue
-            for n in range(1, n_layers - k - (stages - s - 1) + 1):
+            for n in range(least, n_layers - k - least * (stages - s - 1) + 1):
                 if memory[s] is not None and bytes_of(s, n) > memory[s]:
                     break
                 t = max(best[s][k], fixed + n * per_block)
                 if t < best[s + 1][k + n]:
                     best[s + 1][k + n], cut[s + 1][k + n] = t, n
     if best[stages][n_layers] == inf:
-        need = [(s, bytes_of(s, 1), memory[s]) for s in range(stages) if memory[s] is not None and bytes_of(s, 1) > memory[s]]
+        need = [(s, bytes_of(s, least), memory[s]) for s in range(stages)
+                if memory[s] is not None and bytes_of(s, least) > memory[s]]
         if need:
             s, b, m = need[0]
-            raise ConfigError(f"pipeline stage {s} does not fit even with one block: it needs {format_bytes(b)} of "
+            raise ConfigError(f"pipeline stage {s} does not fit even with {'one block' if least == 1 else f'{least} blocks'}: it needs {format_bytes(b)} of "
                               f"{format_bytes(m)} (short by {format_bytes(b - m)}); use more stages or a smaller "
                               f"micro-batch")
         raise ConfigError(f"no split of {n_layers} blocks into {stages} stages fits every stage's memory; use more "
@@ -175,6 +217,10 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
     if stages > shape.n_layers:
         raise ConfigError(f"parallel.pipeline.stages={stages} is more than the model's {shape.n_layers} blocks")
     replicas = world // stages
+    virtual = pc.virtual_stages if pc.schedule == "interleaved" else 1
+    if stages * virtual > shape.n_layers:
+        raise ConfigError(f"parallel.pipeline: {stages} stages x {virtual} chunks each need {stages * virtual} blocks; "
+                          f"the model has {shape.n_layers}")
     rates = rank_rates(cfg, devices, speeds, precision)
     stage_rate = [min(rates[s * replicas + r] for r in range(replicas)) for s in range(stages)]
     replica_rate = [min(rates[s * replicas + r] for s in range(stages)) for r in range(replicas)]
@@ -191,10 +237,12 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
     def split(recompute: bool) -> tuple[list[int], str, list[float], list[float]]:
         def bytes_of(s: int, n: int) -> float:
             first, last = s == 0, s == stages - 1
-            held = inflight(held_schedule, stages, s, most)
+            held = inflight(held_schedule, stages, s, most, virtual)
+            chunk = -(-n // virtual)  # the blocks of the stage's largest chunk: a held micro-batch's
             per_block = boundary if recompute else block_act  # a block's input, or all it saves
-            act = held * (n * per_block + (head_act if last else 0.0)) + (block_act if recompute and n else 0.0)
-            buffers = 4 * boundary  # received activations and sent gradients
+            head = head_act * (1 if virtual > 1 else held) if last else 0.0
+            act = held * chunk * per_block + head + (block_act if recompute and n else 0.0)
+            buffers = 4 * virtual * boundary  # received activations and sent gradients, per chunk
             return WORKSPACE * (stage_static_bytes(shape, n, first, last) + act + buffers)
 
         def cost(s: int, n: int) -> float:
@@ -211,7 +259,7 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
                                       f"{format_bytes(bytes_of(s, n) - stage_mem[s])}); move blocks off it")
         else:
             costs = [(cost(s, 1) - cost(s, 0), cost(s, 0)) for s in range(stages)]
-            layers = split_blocks(shape.n_layers, costs, stage_mem, bytes_of)
+            layers = split_blocks(shape.n_layers, costs, stage_mem, bytes_of, least=virtual)
             how = "sized to each stage's speed and memory"
         return layers, how, [cost(s, n) for s, n in enumerate(layers)], [bytes_of(s, n) for s, n in enumerate(layers)]
 
@@ -224,15 +272,23 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
         recompute = True
         layers, how, micro_s, stage_bytes = split(True)
     how += "; blocks recomputed in the backward" if recompute else ""
+    how += f"; {virtual} chunks a stage" if virtual > 1 else ""
     why = (f"{stages} stages x {replicas} replica(s), blocks {'+'.join(map(str, layers))} ({how}); "
            f"micro-batches of {micro}: {', '.join(f'{n} {sch}' for n, sch in zip(counts, schedules))}")
-    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s, stage_bytes, why, recompute)
+    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s, stage_bytes, why, recompute,
+                        virtual)
 
 
 def _schedule(setting: str, micro_batches: int, stages: int) -> str:
-    """1F1B needs at least as many micro-batches as stages (PyTorch's check); GPipe runs any count."""
+    """1F1B needs at least as many micro-batches as stages (PyTorch's check); GPipe runs any count;
+    interleaved 1F1B any count that splits into its rounds."""
     if setting == "auto":
         return "1f1b" if micro_batches >= stages else "gpipe"
+    if setting == "interleaved" and not interleaved_fits(max(micro_batches, 1), stages):
+        rounds = max(1, micro_batches // stages)
+        raise ConfigError(f"parallel.pipeline.schedule=interleaved runs a replica's micro-batches in {rounds} equal "
+                          f"rounds; a replica has {micro_batches}, not a multiple of {rounds}: change the global "
+                          f"batch or the micro-batch size")
     if setting == "1f1b" and 0 < micro_batches < stages:
         raise ConfigError(f"parallel.pipeline.schedule=1f1b needs at least {stages} micro-batches per replica (one "
                           f"per stage); a replica has {micro_batches}: use schedule gpipe or auto, or a larger batch")

@@ -231,7 +231,8 @@ class RunPlan:
             rows.append(("layout", self.why["layout"].split(":")[0]))
         if self.pipeline is not None:
             rows.append(("pipeline", f"{self.pipeline.stages} stages x {self.pipeline.replicas} replica(s), blocks "
-                                     f"{'+'.join(map(str, self.pipeline.layers))}"))
+                                     f"{'+'.join(map(str, self.pipeline.layers))}"
+                                     + (f", {self.pipeline.virtual} chunks a stage" if self.pipeline.virtual > 1 else "")))
         for key, value in rows:
             head.add_row(key, value, escape(self.why.get(key, "")))
         if self.predicted_step_s is not None:
@@ -279,8 +280,7 @@ class RunPlan:
             t.add_column(col, justify="left" if col in ("host", "device", "schedule") else "right")
         for r in self.ranks:
             s, rep = pipe.stage_of(r.rank), pipe.replica_of(r.rank)
-            b = pipe.blocks(s)
-            t.add_row(str(r.rank), r.host, r.device, str(s), f"{b.start}-{b.stop - 1}", str(rep),
+            t.add_row(str(r.rank), r.host, r.device, str(s), pipe.blocks_text(s), str(rep),
                       str(pipe.micro_batches[rep]), pipe.schedules[rep], f"{pipe.bubble(rep):.0%}",
                       format_bytes(r.predicted_peak_bytes) if r.predicted_peak_bytes else "-")
         return t
@@ -364,7 +364,7 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
         n = pipe.micro_batches[r]
         shares.append(RankShare(r, first.host, f"pipeline {r}", None, 0.0, pipe.micro_batch_size,
                                 n * pipe.micro_batch_size, [pipe.micro_batch_size] * n,
-                                (n + pipe.stages - 1) * slot if n else 0.0))
+                                pipe.slots(r) * slot))
     balance = BalancePlan(cfg.train.global_batch_size, cfg.cluster.balance, shares)
     rank_plans = []
     for r in ranks:
@@ -372,7 +372,7 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
         kernel = sdpa_backend(r.capability, precision, heads[r.rank]) if r.kind == "cuda" else "cpu"
         rank_plans.append(RankPlan(r.rank, r.node, r.host, r.device, r.memory_bytes, heads[r.rank], kernel, None,
                                    _stage_bytes(shape, pipe.layers[s], s == 0, s == pipe.stages - 1, cfg.train.optimizer),
-                                   summary=f"stage {s}, blocks {pipe.blocks(s).start}-{pipe.blocks(s).stop - 1}"
+                                   summary=f"stage {s}, blocks {pipe.blocks_text(s)}"
                                    + (", recomputed" if pipe.recompute else ""),
                                    predicted_peak_bytes=pipe.stage_bytes[s]))
     plan = RunPlan(world, precision, False, "pipeline", None, cfg.parallel.unit_params, "none", "sharded", balance,
@@ -394,7 +394,8 @@ def _chosen_layout_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> R
     best, line = choose(cands)
     pc = cfg.parallel
     if best.stages:
-        chosen = pc.model_copy(update={"pipeline": pc.pipeline.model_copy(update={"stages": best.stages})})
+        chosen = pc.model_copy(update={"pipeline": pc.pipeline.model_copy(update={"stages": best.stages,
+                                                                                  "schedule": best.schedule})})
     else:
         mesh = MeshConfig(replicate=best.mesh[0], shard=best.mesh[1]) if best.mesh else pc.mesh
         chosen = pc.model_copy(update={"pipeline": None, "strategy": best.strategy, "mesh": mesh,

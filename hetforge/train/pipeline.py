@@ -1,5 +1,6 @@
 """Pipeline parallelism as the run's plan lays it out, on PyTorch's own engine
-(`torch.distributed.pipelining`: a `PipelineStage` per rank, `Schedule1F1B` or `ScheduleGPipe`).
+(`torch.distributed.pipelining`: a `PipelineStage` per rank and `Schedule1F1B` or `ScheduleGPipe`,
+or one per chunk of the rank's blocks and `ScheduleInterleaved1F1B`).
 
 Each rank keeps the whole model object pruned to its stage: its blocks in place (the others
 replaced by empty modules), the input embedding on the first stage, the final norm and output
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.checkpoint import checkpoint
 
 from hetforge.cluster.pipeline_plan import PipelinePlan
@@ -35,7 +36,7 @@ class _Absent(nn.Module):
         raise RuntimeError("this part of the model is on another pipeline stage")
 
 
-def prune_to_stage(model: GPTNeoX, blocks: range, first: bool, last: bool) -> GPTNeoX:
+def prune_to_stage(model: GPTNeoX, blocks, first: bool, last: bool) -> GPTNeoX:
     """The model with only this stage's parts (others replaced by parameterless modules, names kept)."""
     for i in range(len(model.layers)):
         if i not in blocks:
@@ -54,6 +55,7 @@ class StageModule(nn.Module):
     (non-reentrant checkpointing, the dropout masks replayed)."""
 
     def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: bool = False):
+        # `model` is the rank's pruned model, shared by its chunks under the interleaved schedule
         super().__init__()
         self.model, self.blocks, self.first, self.last, self.recompute = model, blocks, first, last, recompute
 
@@ -82,13 +84,13 @@ class StageLoss:
 
 @dataclass
 class Pipeline:
-    """What the loop needs of this rank's stage."""
+    """What the loop needs of this rank's stage (its chunks: one but under the interleaved schedule)."""
 
     plan: PipelinePlan
     stage_index: int
     replica: int
-    module: StageModule
-    stage: PipelineStage
+    modules: list[StageModule]
+    stages: list[PipelineStage]
     schedule: object
     loss: StageLoss
     pp_group: dist.ProcessGroup
@@ -96,10 +98,12 @@ class Pipeline:
 
     @property
     def first(self) -> bool:
+        """This rank feeds the token ids (it holds virtual stage 0)."""
         return self.stage_index == 0
 
     @property
     def last(self) -> bool:
+        """This rank computes the loss (it holds the last virtual stage)."""
         return self.stage_index == self.plan.stages - 1
 
     @property
@@ -114,12 +118,8 @@ class Pipeline:
         self.loss.weight, self.loss.tokens, self.loss.scale = weight, tokens_per_step, scale
         losses: list[torch.Tensor] = []
         run = self.schedule.step if backward else self.schedule.eval
-        if self.first:
-            run(x)
-        elif self.last:
-            run(target=y, losses=losses)
-        else:
-            run()
+        args = (x,) if self.first else ()
+        run(*args, **(dict(target=y, losses=losses) if self.last else {}))
         total = torch.zeros((), dtype=torch.float64, device=y.device)
         for loss in losses:
             total += loss.detach().double()
@@ -163,13 +163,18 @@ def build_pipeline(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.
     pp_groups = [dist.new_group(plan.pipeline_ranks(r)) for r in range(plan.replicas)]
     dp_groups = [dist.new_group(plan.stage_ranks(s)) if plan.replicas > 1 else None for s in range(plan.stages)]
     s, r = plan.stage_of(rank), plan.replica_of(rank)
-    module = StageModule(model, plan.blocks(s), s == 0, s == plan.stages - 1, plan.recompute)
-    stage = PipelineStage(module, s, plan.stages, device, group=pp_groups[r])
+    last = plan.virtual_stages - 1
+    modules = [StageModule(model, plan.virtual_blocks(g), g == 0, g == last, plan.recompute) for g in plan.chunks(s)]
+    stages = [PipelineStage(m, g, plan.virtual_stages, device, group=pp_groups[r])
+              for m, g in zip(modules, plan.chunks(s))]
     loss = StageLoss(loss_fn)
     n = max(plan.micro_batches[r], 1)  # a replica with no samples runs one micro-batch at weight zero
-    kind = Schedule1F1B if plan.schedules[r] == "1f1b" else ScheduleGPipe
-    schedule = kind(stage, n, loss_fn=loss, scale_grads=False)
-    return Pipeline(plan, s, r, module, stage, schedule, loss, pp_groups[r], dp_groups[s])
+    if plan.schedules[r] == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=loss, scale_grads=False)
+    else:
+        kind = Schedule1F1B if plan.schedules[r] == "1f1b" else ScheduleGPipe
+        schedule = kind(stages[0], n, loss_fn=loss, scale_grads=False)
+    return Pipeline(plan, s, r, modules, stages, schedule, loss, pp_groups[r], dp_groups[s])
 
 
 @torch.no_grad()
