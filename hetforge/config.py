@@ -351,7 +351,7 @@ class MemoryConfig(_Strict):
             if parse_size(v) <= 0:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"memory.budget must be auto, a size like 10GiB or 512MiB, or a byte count") from None
+            raise ValueError("memory.budget must be auto, a size like 10GiB or 512MiB, or a byte count") from None
         return v
 
     @property
@@ -408,7 +408,7 @@ class PipelineConfig(_Strict):
             least = self.virtual_stages if self.schedule == "interleaved" else 1
             if any(n < least for n in self.layers):
                 raise ValueError(f"parallel.pipeline.layers {self.layers}: every stage needs at least {least} "
-                                 f"block(s)" + (f" (one per chunk of the interleaved schedule)" if least > 1 else ""))
+                                 f"block(s)" + (" (one per chunk of the interleaved schedule)" if least > 1 else ""))
         return self
 
 

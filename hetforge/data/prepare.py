@@ -771,9 +771,9 @@ def _print_summary(out_dir: Path, meta: dict, seconds: float) -> None:
     for reason, n in r["docs_dropped"].items():
         table.add_row(f"documents dropped: {reason}", str(n))
     if r.get("long_docs_split"):
-        table.add_row(f"documents encoded in pieces (longer than max_doc_chars)", str(r["long_docs_split"]))
+        table.add_row("documents encoded in pieces (longer than max_doc_chars)", str(r["long_docs_split"]))
     if r.get("long_docs_truncated"):
-        table.add_row(f"documents truncated to max_doc_chars", str(r["long_docs_truncated"]))
+        table.add_row("documents truncated to max_doc_chars", str(r["long_docs_truncated"]))
     table.add_row("documents kept", str(r["docs_kept"]))
     for split, info in meta["splits"].items():
         table.add_row(f"{split}: documents / tokens", f"{info['documents']} / {info['tokens']:,}")
