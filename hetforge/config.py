@@ -444,9 +444,13 @@ class ParallelConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "ParallelConfig":
-        if self.pipeline is not None and (self.strategy not in ("auto", "ddp") or self.offload != "none"):
-            raise ValueError(f"parallel.pipeline replicates each stage over its replicas (strategy ddp); "
-                             f"strategy={self.strategy}, offload={self.offload} within a stage is not supported")
+        if self.pipeline is not None and (self.strategy not in ("auto", "ddp", "fsdp") or self.offload != "none"):
+            raise ValueError(f"parallel.pipeline replicates each stage over its replicas (strategy ddp) or shards it "
+                             f"over them (fsdp); strategy={self.strategy}, offload={self.offload} within a stage is not "
+                             f"supported")
+        if self.pipeline is not None and self.strategy == "fsdp" and self.pipeline.schedule == "interleaved":
+            raise ValueError("parallel.strategy=fsdp shards a pipeline's stages under the 1f1b or gpipe schedule, not "
+                             "interleaved (a rank's chunks share one model)")
         if self.offload == "params" and self.strategy in ("ddp", "zero1"):
             raise ValueError(f"parallel.offload=params needs a sharded strategy (zero2 or fsdp; FSDP2's CPU "
                              f"offload), not {self.strategy}")

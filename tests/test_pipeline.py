@@ -6,6 +6,7 @@ inputs, with one-line errors."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def cpus(n: int) -> dict:
 
 
 def piped(make_cfg, name: str, world: int, stages: int, shares=None, layers=None, n_layers=2, schedule="auto",
-          **train_kw):
+          strategy="auto", **train_kw):
     cfg = make_cfg(name, **train_kw)
     cluster = cpus(world)
     if shares is not None:
@@ -33,7 +34,8 @@ def piped(make_cfg, name: str, world: int, stages: int, shares=None, layers=None
     raw = cfg.model_dump(mode="json")
     raw["cluster"] = cluster
     raw["model"]["n_layers"] = n_layers
-    raw["parallel"] = {"pipeline": {"stages": stages, "schedule": schedule, **({"layers": layers} if layers else {})}}
+    raw["parallel"] = {"strategy": strategy,
+                       "pipeline": {"stages": stages, "schedule": schedule, **({"layers": layers} if layers else {})}}
     return build_config(raw)
 
 
@@ -53,7 +55,8 @@ def refs(tmp_path_factory, data_dir):
 
 
 CASES = {  # world, stages, replica shares (samples, micro-batch) or None (equal), blocks per stage, model blocks,
-    # schedule (interleaved: two chunks a rank, the blocks looped 0,2 | 1,3 over the ranks)
+    # schedule (interleaved: two chunks a rank, the blocks looped 0,2 | 1,3 over the ranks), and
+    # strategy (fsdp: each stage sharded over its two replicas, which run 1 and 3 or 0 and 4 micro-batches)
     "2-stages": (2, 2, None, None, 2, "auto"),
     "2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 2, "auto"),
     "2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 2, "auto"),
@@ -61,15 +64,19 @@ CASES = {  # world, stages, replica shares (samples, micro-batch) or None (equal
     "interleaved": (2, 2, None, None, 4, "interleaved"),
     "interleaved-2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 4, "interleaved"),
     "interleaved-2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 4, "interleaved"),
+    "fsdp-stages-2x2-shares-1-3": (4, 2, [(2, 2), (6, 2)], None, 2, "auto", "fsdp"),
+    "fsdp-stages-2x2-zero-share": (4, 2, [(0, 2), (8, 2)], None, 2, "auto", "fsdp"),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_update_equals_one_process(make_cfg, tmp_path, refs, case):
-    world, stages, shares, layers, n_layers, schedule = CASES[case]
-    cfg = piped(make_cfg, f"pipe-{case}", world, stages, shares, layers, n_layers, schedule, steps=5,
-                micro_batch_size=2, global_batch_tokens=8 * 32, checkpoint_interval=5, eval_interval=1000)
+    world, stages, shares, layers, n_layers, schedule, *strategy = CASES[case]
+    # sharded stages are also evaluated every 2 steps: a replica's first forward after a step gathers
+    cfg = piped(make_cfg, f"pipe-{case}", world, stages, shares, layers, n_layers, schedule, *strategy, steps=5,
+                micro_batch_size=2, global_batch_tokens=8 * 32, checkpoint_interval=5,
+                eval_interval=2 if strategy else 1000)
     res = run_train(cfg, world, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "data parallelism: pipeline" in res.stdout
@@ -84,6 +91,10 @@ def test_pipeline_update_equals_one_process(make_cfg, tmp_path, refs, case):
         assert plan["pipeline"]["layers"] == layers
     if schedule == "interleaved":
         assert plan["pipeline"]["virtual"] == 2 and set(plan["pipeline"]["schedules"]) == {"interleaved"}
+    assert plan["pipeline"]["shard"] is (strategy == ["fsdp"])
+    if strategy:  # validation ran between steps (the last stages' summed figures)
+        val = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")["val"]
+        assert [v["step"] for v in val][:2] == [2, 4] and all(math.isfinite(v["loss"]) for v in val)
     if shares:
         assert [s["samples"] for s in plan["balance"]["shares"]] == [n for n, _ in shares]
 
@@ -138,6 +149,25 @@ def test_a_pipeline_checkpoint_resumes_on_fsdp_and_one_process(make_cfg, tmp_pat
         "parallel": type(base.parallel).model_validate({"strategy": "fsdp"})})
     res = run_train(fsdp, 2, tmp_path, "--stop-after", "2")
     assert res.returncode == 0, res.stderr[-3000:]
+    assert train(base, stop_after=2).step == 6
+    got, want = losses(base), losses(ref)
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+    assert max_diff(weights(base), weights(ref)) <= 2e-4
+
+
+@pytest.mark.slow
+def test_sharded_stages_resume_from_their_checkpoint_and_on_one_process(make_cfg, tmp_path, data_dir):
+    """Two steps as 2 stages x 2 replicas with each stage sharded over its replicas (1:3 shares),
+    two more resumed the same way (sharded weights and AdamW state read back into the shards), two
+    in one process: the losses are one uninterrupted process's."""
+    ref = reference_run(tmp_path, data_dir, 2, steps=6)
+    base = make_cfg("chain-fsdp-stages", steps=6, micro_batch_size=8, checkpoint_interval=2, eval_interval=1000)
+    pipe = piped(make_cfg, "chain-fsdp-stages", 4, 2, [(2, 2), (6, 2)], strategy="fsdp", steps=6,
+                 micro_batch_size=2, global_batch_tokens=8 * 32, checkpoint_interval=2, eval_interval=1000)
+    for _ in range(2):
+        res = run_train(pipe, 4, tmp_path, "--stop-after", "2")
+        assert res.returncode == 0, res.stderr[-3000:]
     assert train(base, stop_after=2).step == 6
     got, want = losses(base), losses(ref)
     assert sorted(got) == list(range(1, 7))
@@ -222,6 +252,30 @@ def test_a_pipeline_plan_on_declared_cards():
     assert PipelinePlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
 
 
+def test_stages_shard_over_their_replicas_before_recomputing():
+    """2 stages x 4 replicas of V100s in fp16: sharding a stage over its replicas keeps a quarter of
+    its fp32 state and the gathered fp16 weights and unsharded fp32 gradients (stage_state_bytes);
+    with memory just above the sharded split's, strategy auto shards rather than recomputes, strategy
+    ddp recomputes."""
+    from hetforge.cluster.pipeline_plan import WORKSPACE
+    from hetforge.model.accounting import stage_static_bytes
+
+    cards = ["V100"] * 8
+    kept = plan_pipeline(_cfg(8, 2), SHAPE, cards, [None] * 8, [None] * 8, "fp16", 16)
+    sharded = plan_pipeline(_cfg(8, 2, parallel={"strategy": "fsdp", "pipeline": {"stages": 2}}), SHAPE, cards,
+                            [None] * 8, [None] * 8, "fp16", 16)
+    assert not kept.shard and sharded.shard and sharded.layers == kept.layers
+    n = kept.layers[0]
+    saved = stage_static_bytes(SHAPE, n, True, False) - stage_static_bytes(SHAPE, n, True, False, shards=4, gather_bytes=2)
+    assert kept.stage_bytes[0] - sharded.stage_bytes[0] == pytest.approx(WORKSPACE * saved)
+    budget = [max(sharded.stage_bytes) * 1.001] * 8  # no split of replicated stages fits under it
+    auto = plan_pipeline(_cfg(8, 2), SHAPE, cards, [None] * 8, budget, "fp16", 16)
+    assert auto.shard and not auto.recompute and "sharded over its 4 replicas" in auto.why
+    ddp = plan_pipeline(_cfg(8, 2, parallel={"strategy": "ddp", "pipeline": {"stages": 2}}), SHAPE, cards,
+                        [None] * 8, budget, "fp16", 16)
+    assert not ddp.shard and ddp.recompute
+
+
 def test_stages_recompute_their_blocks_where_kept_activations_do_not_fit():
     """Declared memory between the two ways to hold activations: kept activations do not fit, so
     under auto every block is recomputed (its input held per in-flight micro-batch), for 4/3 of the
@@ -273,8 +327,8 @@ def test_layout_errors_are_one_line(world, over, message):
 def test_pipeline_config_errors():
     with pytest.raises(ValueError, match="needs untied embeddings"):
         _cfg(2, 2, model={"preset": None, "n_layers": 8, "d_model": 64, "n_heads": 4, "tie_embeddings": True})
-    with pytest.raises(ValueError, match="strategy=fsdp"):
-        build_config({"parallel": {"strategy": "fsdp", "pipeline": {"stages": 2}}})
+    with pytest.raises(ValueError, match="strategy=zero2"):
+        build_config({"parallel": {"strategy": "zero2", "pipeline": {"stages": 2}}})
     with pytest.raises(ValueError, match="2 entries for 3 stages"):
         build_config({"parallel": {"pipeline": {"stages": 3, "layers": [1, 1]}}})
 

@@ -13,7 +13,9 @@ copies over the card's host link, and the node's ranks together must fit its hos
 (micro-batches + (stages - 1) / chunks) slots of its slowest stage, a slot being the stage's
 compute or its boundary's traffic (activations forward, their gradients back, once per chunk),
 whichever is longer, then the sum of a stage's gradients over its replicas; where the schedule is
-auto, each stage count is priced with 1F1B (or GPipe) and with the interleaved schedule. A layout fits when every rank's static bytes and
+auto, each stage count is priced with 1F1B (or GPipe) and with the interleaved schedule, and where
+a stage has replicas, also with each stage sharded over them (FSDP2: its state divided, its
+weights gathered once a step and its gradients reduce-scattered in place of the all-reduce). A layout fits when every rank's static bytes and
 activations fit its memory. The plan records every candidate, and says why the chosen one beat the
 runner-up.
 """
@@ -74,6 +76,7 @@ class Candidate:
     offload: str = "none"  # parallel.offload: none | optimizer | params
     host_s: float = 0.0  # the host's optimizer step and the copies to and from it
     schedule: str | None = None  # a pipeline's parallel.pipeline.schedule
+    stage_strategy: str = "ddp"  # a pipeline's stages replicated (ddp) or sharded (fsdp) over their replicas
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -117,7 +120,9 @@ def candidates(cfg: RunConfig, shape: GPTNeoXConfig, ranks: Ranks, precision: st
     for stages in range(2, min(world, shape.n_layers) + 1):
         for schedule in schedules:
             if world % stages == 0 and (schedule != "interleaved" or 2 * stages <= shape.n_layers):
-                out.append(_pipeline(cfg, shape, stages, schedule, ranks, precision, head_dim, links))
+                out.append(_pipeline(cfg, shape, stages, schedule, "ddp", ranks, precision, head_dim, links))
+        if world % stages == 0 and world > stages and schedules[0] != "interleaved":
+            out.append(_pipeline(cfg, shape, stages, schedules[0], "fsdp", ranks, precision, head_dim, links))
     return out
 
 
@@ -221,19 +226,22 @@ def _host_side(cfg, shape, strategy, shard, offload, gather, micro_batches, rank
     return seconds, ""
 
 
-def _pipeline(cfg, shape, stages, schedule, ranks: Ranks, precision, head_dim, links) -> Candidate:
+def _pipeline(cfg, shape, stages, schedule, stage_strategy, ranks: Ranks, precision, head_dim, links) -> Candidate:
     nodes = ranks.nodes
     name = f"pipeline {stages} stages x {len(ranks.devices) // stages}"
     pc = cfg.parallel.pipeline or PipelineConfig(stages="auto")
     if schedule == "interleaved":
         name += f" interleaved x{pc.virtual_stages}"
+    if stage_strategy == "fsdp":
+        name += ", stages sharded"
     trial = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={
+        "strategy": stage_strategy,
         "pipeline": pc.model_copy(update={"stages": stages, "layers": None, "schedule": schedule})})})
     try:
         pipe = plan_pipeline(trial, shape, ranks.devices, ranks.speeds, ranks.memory, precision, head_dim)
     except ConfigError as err:
         return Candidate(name, "pipeline", None, stages, False, None, 0.0, 0.0, 0.0, float("inf"), str(err),
-                         schedule=schedule)
+                         schedule=schedule, stage_strategy=stage_strategy)
     seq, micro = cfg.train.seq_len, pipe.micro_batch_size
     elt = 4 if precision == "fp32" else 2
     step = busy = traffic = 0.0
@@ -247,12 +255,15 @@ def _pipeline(cfg, shape, stages, schedule, ranks: Ranks, precision, head_dim, l
         step = max(step, pipe.slots(r) * slot)
         busy, traffic = max(busy, n * max(computes)), max(traffic, n * max(hops))
     reduce = 0.0
-    if pipe.replicas > 1:  # a stage's gradients summed over its replicas, after the schedule
+    if pipe.replicas > 1:  # a stage's gradients summed over its replicas, after the schedule (all-reduced, or
+        # reduce-scattered and its weights gathered at the step's first forward where sharded)
+        per_param = GRAD_BYTES + elt if pipe.shard else 2 * GRAD_BYTES
         for s in range(stages):
             group = pipe.stage_ranks(s)
-            sent = 2 * GRAD_BYTES * stage_parameters(shape, pipe.layers[s], s == 0, s == stages - 1) \
+            sent = per_param * stage_parameters(shape, pipe.layers[s], s == 0, s == stages - 1) \
                 * (pipe.replicas - 1) / pipe.replicas
             reduce = max(reduce, sent / links.between(len({nodes[x] for x in group}) > 1) + links.latency_s)
     bubble = max(pipe.bubble(r) for r in range(pipe.replicas))
     return Candidate(f"{name} (blocks {'+'.join(map(str, pipe.layers))})", "pipeline", None, stages, True,
-                     step + reduce, busy, traffic + reduce, bubble, max(pipe.stage_bytes), pipe.why, schedule=schedule)
+                     step + reduce, busy, traffic + reduce, bubble, max(pipe.stage_bytes), pipe.why, schedule=schedule,
+                     stage_strategy=stage_strategy)

@@ -18,6 +18,11 @@ stages, looped: chunk c of stage p is virtual stage c x stages + p), so a micro-
 rank `virtual` times: the fill and drain shrink to (stages - 1) / virtual slots, for `virtual` times
 the boundary traffic and more micro-batches' activations in flight (PyTorch's warm-up count).
 
+With `parallel.strategy: fsdp` each stage's weights, gradients and optimizer state are sharded over
+its replicas (FSDP2, as PyTorch's schedules drive it): gathered once at a step's first forward and
+kept through its micro-batches, the gradients accumulated unsharded and reduce-scattered once after
+the last, so a replica's micro-batch count does not change its collectives.
+
 Replicas get whole micro-batches of one size (a stage's buffers are sized by the first one): in
 proportion to their speed with `cluster.balance: auto`, equal parts with `equal`, and with `fixed`
 the `cluster.assignments` given per replica. A replica's step takes (micro-batches + stages - 1)
@@ -53,6 +58,7 @@ class PipelinePlan:
     why: str
     recompute: bool = False  # every block's activations recomputed in its backward
     virtual: int = 1  # chunks (virtual stages) per rank: above 1 under the interleaved schedule
+    shard: bool = False  # each stage's state sharded over its replicas (FSDP2; parallel.strategy fsdp)
 
     def stage_of(self, rank: int) -> int:
         return rank // self.replicas
@@ -218,6 +224,7 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
         raise ConfigError(f"parallel.pipeline.stages={stages} is more than the model's {shape.n_layers} blocks")
     replicas = world // stages
     virtual = pc.virtual_stages if pc.schedule == "interleaved" else 1
+    gather = 4 if precision == "fp32" else 2
     if stages * virtual > shape.n_layers:
         raise ConfigError(f"parallel.pipeline: {stages} stages x {virtual} chunks each need {stages * virtual} blocks; "
                           f"the model has {shape.n_layers}")
@@ -234,7 +241,7 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
     most = max(counts, default=1) or 1
     held_schedule = schedules[0] if len(set(schedules)) == 1 else "gpipe"
 
-    def split(recompute: bool) -> tuple[list[int], str, list[float], list[float]]:
+    def split(recompute: bool, shard: bool) -> tuple[list[int], str, list[float], list[float]]:
         def bytes_of(s: int, n: int) -> float:
             first, last = s == 0, s == stages - 1
             held = inflight(held_schedule, stages, s, most, virtual)
@@ -243,7 +250,8 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
             head = head_act * (1 if virtual > 1 else held) if last else 0.0
             act = held * chunk * per_block + head + (block_act if recompute and n else 0.0)
             buffers = 4 * virtual * boundary  # received activations and sent gradients, per chunk
-            return WORKSPACE * (stage_static_bytes(shape, n, first, last) + act + buffers)
+            static = stage_static_bytes(shape, n, first, last, cfg.train.optimizer, replicas if shard else 1, gather)
+            return WORKSPACE * (static + act + buffers)
 
         def cost(s: int, n: int) -> float:
             last = s == stages - 1
@@ -263,20 +271,27 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
             how = "sized to each stage's speed and memory"
         return layers, how, [cost(s, n) for s, n in enumerate(layers)], [bytes_of(s, n) for s, n in enumerate(layers)]
 
-    recompute = pc.recompute == "blocks"
-    try:
-        layers, how, micro_s, stage_bytes = split(recompute)
-    except ConfigError:
-        if pc.recompute != "auto":
-            raise
-        recompute = True
-        layers, how, micro_s, stage_bytes = split(True)
+    # the ways to hold a stage, cheapest first: kept activations before recomputed ones (4/3 of the
+    # FLOPs), replicated state before sharded (a gather and reduce-scatter a step); what the
+    # config fixes is not varied
+    recomputes = {"none": [False], "blocks": [True], "auto": [False, True]}[pc.recompute]
+    shards = [False] if replicas == 1 or virtual > 1 else \
+        {"fsdp": [True], "auto": [False, True]}.get(cfg.parallel.strategy, [False])
+    tries = [(r, sh) for r in recomputes for sh in shards]
+    for i, (recompute, shard) in enumerate(tries):
+        try:
+            layers, how, micro_s, stage_bytes = split(recompute, shard)
+            break
+        except ConfigError:
+            if i == len(tries) - 1:
+                raise
     how += "; blocks recomputed in the backward" if recompute else ""
     how += f"; {virtual} chunks a stage" if virtual > 1 else ""
+    how += f"; each stage sharded over its {replicas} replicas" if shard else ""
     why = (f"{stages} stages x {replicas} replica(s), blocks {'+'.join(map(str, layers))} ({how}); "
            f"micro-batches of {micro}: {', '.join(f'{n} {sch}' for n, sch in zip(counts, schedules))}")
     return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s, stage_bytes, why, recompute,
-                        virtual)
+                        virtual, shard)
 
 
 def _schedule(setting: str, micro_batches: int, stages: int) -> str:

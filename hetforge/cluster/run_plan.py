@@ -41,7 +41,7 @@ from hetforge.memory.plan import ModelProfile, Plan
 from hetforge.memory.sharding import HOST_OPTIMIZER, HOST_PARAMS, NoStrategyFits, RankNeed, choose_strategy, pick_strategy, \
     unit_size_that_fits
 from hetforge.model.accounting import (STRATEGIES, ShardLayout, collective_bytes_per_step, collectives_per_micro_batch,
-                                       GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, parameter_sizes, stage_parameters,
+                                       parameter_sizes, stage_state_bytes,
                                        state_shares, unsharded_accumulation_collectives)
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
@@ -232,7 +232,8 @@ class RunPlan:
         if self.pipeline is not None:
             rows.append(("pipeline", f"{self.pipeline.stages} stages x {self.pipeline.replicas} replica(s), blocks "
                                      f"{'+'.join(map(str, self.pipeline.layers))}"
-                                     + (f", {self.pipeline.virtual} chunks a stage" if self.pipeline.virtual > 1 else "")))
+                                     + (f", {self.pipeline.virtual} chunks a stage" if self.pipeline.virtual > 1 else "")
+                                     + (", stages sharded over their replicas" if self.pipeline.shard else "")))
         for key, value in rows:
             head.add_row(key, value, escape(self.why.get(key, "")))
         if self.predicted_step_s is not None:
@@ -371,9 +372,12 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
         s = pipe.stage_of(r.rank)
         kernel = sdpa_backend(r.capability, precision, heads[r.rank]) if r.kind == "cuda" else "cpu"
         rank_plans.append(RankPlan(r.rank, r.node, r.host, r.device, r.memory_bytes, heads[r.rank], kernel, None,
-                                   _stage_bytes(shape, pipe.layers[s], s == 0, s == pipe.stages - 1, cfg.train.optimizer),
+                                   stage_state_bytes(shape, pipe.layers[s], s == 0, s == pipe.stages - 1,
+                                                     cfg.train.optimizer, pipe.replicas if pipe.shard else 1,
+                                                     4 if precision == "fp32" else 2),
                                    summary=f"stage {s}, blocks {pipe.blocks_text(s)}"
-                                   + (", recomputed" if pipe.recompute else ""),
+                                   + (", recomputed" if pipe.recompute else "")
+                                   + (f", sharded over {pipe.replicas} replicas" if pipe.shard else ""),
                                    predicted_peak_bytes=pipe.stage_bytes[s]))
     plan = RunPlan(world, precision, False, "pipeline", None, cfg.parallel.unit_params, "none", "sharded", balance,
                    rank_plans, None, None, {}, why, pipeline=pipe)
@@ -394,7 +398,8 @@ def _chosen_layout_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> R
     best, line = choose(cands)
     pc = cfg.parallel
     if best.stages:
-        chosen = pc.model_copy(update={"pipeline": pc.pipeline.model_copy(update={"stages": best.stages,
+        chosen = pc.model_copy(update={"strategy": best.stage_strategy,
+                                       "pipeline": pc.pipeline.model_copy(update={"stages": best.stages,
                                                                                   "schedule": best.schedule})})
     else:
         mesh = MeshConfig(replicate=best.mesh[0], shard=best.mesh[1]) if best.mesh else pc.mesh
@@ -405,12 +410,6 @@ def _chosen_layout_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> R
     plan.layouts = [c.to_dict() for c in cands]
     plan.fingerprint = fingerprint(cfg, shape, ranks)
     return plan
-
-
-def _stage_bytes(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool, optimizer: str) -> dict[str, float]:
-    n = stage_parameters(shape, blocks, first, last)
-    return {"weights": float(WEIGHT_BYTES * n), "gradients": float(GRAD_BYTES * n),
-            "optimizer state": float(OPTIMIZER_BYTES[optimizer] * n)}
 
 
 def _torch_device(kind: str):

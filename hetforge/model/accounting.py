@@ -292,9 +292,26 @@ def stage_flops_per_sample(shape: GPTNeoXConfig, seq_len: int, blocks: int, last
     return flops + (3.0 * head_forward_flops(shape, seq_len) if last else 0.0)
 
 
-def stage_static_bytes(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool, optimizer: str = "adamw") -> float:
-    """fp32 weights, gradients and optimizer state of a stage's parameters."""
-    return float((WEIGHT_BYTES + GRAD_BYTES + OPTIMIZER_BYTES[optimizer]) * stage_parameters(shape, blocks, first, last))
+def stage_state_bytes(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool, optimizer: str = "adamw",
+                      shards: int = 1, gather_bytes: int = 4) -> dict[str, float]:
+    """fp32 weights, gradients and optimizer state of a stage's parameters on one of its ranks.
+    Sharded over the stage's `shards` replicas (FSDP2 under a pipeline schedule), each rank keeps
+    its part of all three, and through the step the whole stage's weights gathered (at
+    `gather_bytes`) and its gradients accumulated unsharded: the schedule reduce-scatters them once,
+    after the last micro-batch."""
+    n = stage_parameters(shape, blocks, first, last)
+    out = {"weights": float(WEIGHT_BYTES * n / shards), "gradients": float(GRAD_BYTES * n / shards),
+           "optimizer state": float(OPTIMIZER_BYTES[optimizer] * n / shards)}
+    if shards > 1:
+        out["weights"] += float(gather_bytes * n)
+        out["gradients"] += float(GRAD_BYTES * n)
+    return out
+
+
+def stage_static_bytes(shape: GPTNeoXConfig, blocks: int, first: bool, last: bool, optimizer: str = "adamw",
+                       shards: int = 1, gather_bytes: int = 4) -> float:
+    """The sum of `stage_state_bytes`."""
+    return sum(stage_state_bytes(shape, blocks, first, last, optimizer, shards, gather_bytes).values())
 
 
 def boundary_bytes(shape: GPTNeoXConfig, micro_batch: int, seq_len: int, dtype_bytes: int) -> int:

@@ -65,7 +65,7 @@ from hetforge.train.optim import build_optimizer, lr_at, param_order
 from hetforge.train.parallel import (ComputeTimer, Parallel, compile_blocks, device_mesh, init_sharded, local_sharding,
                                      local_state_bytes, parallelize, shard_model)
 from hetforge.train.run_data import RunData, open_data
-from hetforge.train.pipeline import build_pipeline, evaluate_pipeline, prune_to_stage
+from hetforge.train.pipeline import build_pipeline, evaluate_pipeline, prune_to_stage, stage_parts
 from hetforge.train.task_eval import TaskEval
 from hetforge.train.step import StepResult, TokenLoss, backward_share, optimizer_step, pipeline_share  # noqa: F401 (the step's API)
 
@@ -271,6 +271,8 @@ class Trainer:
             set_head_padding(model, head)
             self.say(f"attention: head size {self.shape.head_dim} run at {head} (zero channels, exact) so that a "
                      f"fused kernel takes it (model.pad_head_dim={cfg.model.pad_head_dim})")
+        if plan.pipeline is not None:  # groups and chunk modules (sharded over the replicas where planned)
+            self.stage_parts = stage_parts(plan.pipeline, rank, model, self.device, self.precision.compute_dtype)
         if plan.sharded:
             pc = cfg.parallel
             replicate, shard = plan.mesh
@@ -305,7 +307,7 @@ class Trainer:
         self.loss_fn = TokenLoss()  # its own instance: a slow rank's hooks go on it
         self.pipe = None
         if plan.pipeline is not None:
-            self.pipe = build_pipeline(plan.pipeline, ctx.rank, self.model, self.device, self.loss_fn)
+            self.pipe = build_pipeline(plan.pipeline, ctx.rank, self.stage_parts, self.device, self.loss_fn)
             self.par = Parallel(self.model, "pipeline")
         else:
             self.par = parallelize(self.model, ctx, self.device, plan.strategy, accumulation=plan.accumulation)
@@ -354,7 +356,7 @@ class Trainer:
                                   self.scaler, self.data.loader, self.timer)
         compute_s = self.timer.step_seconds()  # on a GPU the previous step's, read without a sync
         grad_norm = optimizer_step(self.optimizer, self.scaler, self.params, tc.grad_clip,
-                                   self.pipe.pp_group if self.pipe else None)
+                                   self.pipe.norm_group if self.pipe else None)
         if st.steps_this_call == 0:  # before the gradients go: what this rank holds, for the record
             self.held = local_state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)

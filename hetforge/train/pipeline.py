@@ -9,7 +9,8 @@ resume on any other layout, sharded or not, and back.
 
 The update is the one-process update on the global batch: a micro-batch's loss is its summed token
 loss over the global batch's token count (scale_grads off), the replicas' gradients of a stage are
-summed, and the gradient norm for clipping is taken over all stages. A replica with no samples in a
+summed (one all-reduce, or under a sharded stage FSDP2's reduce-scatter, which the schedule runs
+once after the last micro-batch), and the gradient norm for clipping is taken over all stages. A replica with no samples in a
 step runs one micro-batch at weight zero, so that every collective still has all its ranks.
 """
 
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.checkpoint import checkpoint
 
@@ -125,9 +129,16 @@ class Pipeline:
             total += loss.detach().double()
         return total / scale
 
+    @property
+    def norm_group(self) -> dist.ProcessGroup:
+        """The ranks whose gradients together make the whole model's once: a replica's pipeline, or
+        every rank where each stage is sharded over its replicas."""
+        return dist.group.WORLD if self.plan.shard else self.pp_group
+
     def sync_gradients(self, params: list[nn.Parameter]) -> None:
-        """Sum the stage's gradients over its replicas (one flat all-reduce)."""
-        if self.dp_group is None:
+        """Sum the stage's gradients over its replicas (one flat all-reduce; a sharded stage's
+        were reduce-scattered by the schedule)."""
+        if self.dp_group is None or self.plan.shard:
             return
         for p in params:
             if p.grad is None:
@@ -143,8 +154,8 @@ class Pipeline:
 
 def clip_over_stages(params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup) -> torch.Tensor:
     """`clip_grad_norm_` for a model cut into stages: the norm over every stage's gradients (the
-    squared norms summed over the pipeline), each stage's gradients scaled alike."""
-    grads = [p.grad for p in params if p.grad is not None]
+    squared norms summed over `group`: a pipeline, or every rank's shards), each scaled alike."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     square = torch.zeros((), dtype=torch.float32, device=device)
     for g in grads:
@@ -158,15 +169,57 @@ def clip_over_stages(params: list[nn.Parameter], max_norm: float, group: dist.Pr
     return norm
 
 
-def build_pipeline(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.device, loss_fn: nn.Module) -> Pipeline:
-    """This rank's stage and its replica's schedule. Every rank creates every group, in one order."""
+@dataclass
+class StageParts:
+    """What a rank makes of its stage before the optimizer: its process groups and chunk modules."""
+
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup | None
+    modules: list[StageModule]
+
+
+def stage_parts(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.device,
+                param_dtype: torch.dtype | None) -> StageParts:
+    """This rank's groups (every rank creates every group, in one order) and its chunks' modules,
+    sharded over the stage's replicas where the plan says so."""
     pp_groups = [dist.new_group(plan.pipeline_ranks(r)) for r in range(plan.replicas)]
     dp_groups = [dist.new_group(plan.stage_ranks(s)) if plan.replicas > 1 else None for s in range(plan.stages)]
     s, r = plan.stage_of(rank), plan.replica_of(rank)
     last = plan.virtual_stages - 1
     modules = [StageModule(model, plan.virtual_blocks(g), g == 0, g == last, plan.recompute) for g in plan.chunks(s)]
-    stages = [PipelineStage(m, g, plan.virtual_stages, device, group=pp_groups[r])
-              for m, g in zip(modules, plan.chunks(s))]
+    if plan.shard:
+        mesh = DeviceMesh.from_group(dp_groups[s], device.type, mesh_dim_names=("replicas",))
+        shard_stage(modules[0], mesh, param_dtype)
+    return StageParts(pp_groups[r], dp_groups[s], modules)
+
+
+def shard_stage(module: StageModule, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
+    """FSDP2 over the stage's replicas: the embedding, each block, and the final norm with the
+    output projection as units, the stage module as root (PyTorch's schedules recognise it, keep
+    its weights gathered through the step's micro-batches and reduce-scatter once after the last).
+    Gradients are summed, not averaged, as the loss is already over the global batch's tokens."""
+    kw = dict(mesh=mesh, reshard_after_forward=False,
+              mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+    m = module.model
+    if module.first:
+        fully_shard(m.embed_in, **kw)
+    for i in module.blocks:
+        fully_shard(m.layers[i], **kw)
+    if module.last:
+        fully_shard([m.final_layer_norm, m.embed_out], **kw)
+    fully_shard(module, **kw)
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
+
+
+def build_pipeline(plan: PipelinePlan, rank: int, parts: StageParts, device: torch.device,
+                   loss_fn: nn.Module) -> Pipeline:
+    """This rank's stages and its replica's schedule."""
+    s, r = plan.stage_of(rank), plan.replica_of(rank)
+    stages = [PipelineStage(m, g, plan.virtual_stages, device, group=parts.pp_group)
+              for m, g in zip(parts.modules, plan.chunks(s))]
     loss = StageLoss(loss_fn)
     n = max(plan.micro_batches[r], 1)  # a replica with no samples runs one micro-batch at weight zero
     if plan.schedules[r] == "interleaved":
@@ -174,7 +227,7 @@ def build_pipeline(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.
     else:
         kind = Schedule1F1B if plan.schedules[r] == "1f1b" else ScheduleGPipe
         schedule = kind(stages[0], n, loss_fn=loss, scale_grads=False)
-    return Pipeline(plan, s, r, modules, stages, schedule, loss, pp_groups[r], dp_groups[s])
+    return Pipeline(plan, s, r, parts.modules, stages, schedule, loss, parts.pp_group, parts.dp_group)
 
 
 @torch.no_grad()
@@ -182,7 +235,9 @@ def evaluate_pipeline(pipe: Pipeline, samples, batch_size: int, device: torch.de
                       byte_lengths: list[int] | None, autocast) -> tuple[float, int, float]:
     """(summed NLL, tokens, bytes) of this replica's validation batches (replica r takes batches
     r, r + replicas, ...; each of `batch_size` samples, the size the stages' buffers have): the
-    last stage's figures, 0 elsewhere, for the caller to sum over all ranks."""
+    last stage's figures, 0 elsewhere, for the caller to sum over all ranks. Where stages are
+    sharded, a replica left without a batch still runs one, uncounted: its first forward gathers
+    the stage's weights with the other replicas'."""
     plan = pipe.plan
     per_batch = batch_size * pipe.micro_batches if pipe.micro_batches else batch_size
     n = len(samples) // per_batch * per_batch
@@ -190,7 +245,12 @@ def evaluate_pipeline(pipe: Pipeline, samples, batch_size: int, device: torch.de
         n = min(n, max_batches * per_batch)
     lengths = torch.tensor(byte_lengths, dtype=torch.float64) if byte_lengths else None
     nll, tokens, nbytes = 0.0, 0, 0.0
-    for start in range(pipe.replica * per_batch, n, plan.replicas * per_batch):
+    starts = list(range(pipe.replica * per_batch, n, plan.replicas * per_batch))
+    if plan.shard and not starts:
+        x = torch.zeros((per_batch, samples.seq_len), dtype=torch.long, device=device)
+        with autocast():
+            pipe.run(x, x, 0.0, 1, backward=False)
+    for start in starts:
         x, y = batch_from_numpy(samples.batch(list(range(start, start + per_batch))), device)
         with autocast():
             total = pipe.run(x, y, 1.0, 1, backward=False)
