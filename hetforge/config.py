@@ -383,8 +383,8 @@ class PipelineConfig(_Strict):
     has at least as many micro-batches as stages, else gpipe (under stages: auto the planner prices
     interleaved too); recompute: blocks (each block's activations
     recomputed in its backward: a stage holds only its blocks' inputs per in-flight micro-batch,
-    for 4/3 of the blocks' FLOPs), none, or auto = blocks only where a stage's kept activations
-    do not fit its memory."""
+    for 4/3 of the blocks' FLOPs), none, or auto = per stage, the fewest blocks recomputed that
+    make its kept activations fit its memory."""
 
     stages: int | Literal["auto"] = Field(...)
     layers: list[int] | None = None

@@ -110,7 +110,7 @@ def test_recomputed_stages_give_the_same_update(make_cfg, tmp_path, refs):
     cfg = build_config(raw)
     res = run_train(cfg, 2, tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((Path(cfg.run_dir) / "plan.json").read_text())["pipeline"]["recompute"] is True
+    assert json.loads((Path(cfg.run_dir) / "plan.json").read_text())["pipeline"]["recomputed"] == [1, 1]
     got, want = losses(cfg), losses(refs[2])
     assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in want), (got, want)
     assert max_diff(weights(cfg), weights(refs[2])) <= 2e-4
@@ -270,30 +270,64 @@ def test_stages_shard_over_their_replicas_before_recomputing():
     assert kept.stage_bytes[0] - sharded.stage_bytes[0] == pytest.approx(WORKSPACE * saved)
     budget = [max(sharded.stage_bytes) * 1.001] * 8  # no split of replicated stages fits under it
     auto = plan_pipeline(_cfg(8, 2), SHAPE, cards, [None] * 8, budget, "fp16", 16)
-    assert auto.shard and not auto.recompute and "sharded over its 4 replicas" in auto.why
+    assert auto.shard and not any(auto.recomputed) and "sharded over its 4 replicas" in auto.why
     ddp = plan_pipeline(_cfg(8, 2, parallel={"strategy": "ddp", "pipeline": {"stages": 2}}), SHAPE, cards,
                         [None] * 8, budget, "fp16", 16)
-    assert not ddp.shard and ddp.recompute
+    assert not ddp.shard and any(ddp.recomputed)
 
 
 def test_stages_recompute_their_blocks_where_kept_activations_do_not_fit():
-    """Declared memory between the two ways to hold activations: kept activations do not fit, so
-    under auto every block is recomputed (its input held per in-flight micro-batch), for 4/3 of the
-    blocks' FLOPs; `recompute: none` names the stage short of memory instead."""
+    """Declared memory below what kept activations need: under auto each stage recomputes the
+    fewest of its blocks that make it fit (a recomputed block holds its input per in-flight
+    micro-batch; the first adds one block's working set), each recomputed block costing a third of
+    its FLOPs again; less memory, more blocks recomputed; `recompute: none` names the stage short
+    of memory instead, `blocks` recomputes them all."""
     cards = ["V100"] * 2
     kept = plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, [None] * 2, "fp32", 16)
-    assert not kept.recompute
-    budget = [0.8 * max(kept.stage_bytes)] * 2
-    redone = plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, budget, "fp32", 16)
-    assert redone.recompute and "recomputed in the backward" in redone.why
-    assert all(b <= m for b, m in zip(redone.stage_bytes, budget))
-    if redone.layers == kept.layers:  # same split: the first stage (no head) costs exactly 4/3
-        assert redone.stage_micro_s[0] == pytest.approx(kept.stage_micro_s[0] * 4 / 3)
+    assert kept.recomputed == [0, 0] and kept.layers == [4, 4]
+    tight = [0.8 * max(kept.stage_bytes)] * 2
+    redone = plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, tight, "fp32", 16)
+    assert redone.layers == [4, 4] and redone.recomputed == [3, 2] and "recomputed in the backward: 3+2" in redone.why
+    assert all(b <= m for b, m in zip(redone.stage_bytes, tight))
+    per_block = kept.stage_micro_s[0] / 4  # the first stage's embedding lookup has no FLOPs
+    for s in range(2):
+        assert redone.stage_micro_s[s] == pytest.approx(kept.stage_micro_s[s] + redone.recomputed[s] / 3 * per_block)
+    looser = plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, [0.95 * max(kept.stage_bytes)] * 2, "fp32", 16)
+    assert looser.layers == [4, 4] and sum(looser.recomputed) < sum(redone.recomputed)
+    assert plan_pipeline(_cfg(2, 2), SHAPE, cards, [None] * 2, tight, "fp32", 16).recomputed_blocks(0) == {0, 1, 2}
     with pytest.raises(ConfigError, match="pipeline stage|no split"):
-        plan_pipeline(_cfg(2, 2, pipeline={"recompute": "none"}), SHAPE, cards, [None] * 2, budget, "fp32", 16)
+        plan_pipeline(_cfg(2, 2, pipeline={"recompute": "none"}), SHAPE, cards, [None] * 2, tight, "fp32", 16)
     forced = plan_pipeline(_cfg(2, 2, pipeline={"recompute": "blocks"}), SHAPE, cards, [None] * 2, [None] * 2,
                            "fp32", 16)
-    assert forced.recompute and max(forced.stage_bytes) < max(kept.stage_bytes)
+    assert forced.recomputed == forced.layers and max(forced.stage_bytes) < max(kept.stage_bytes)
+
+
+def test_a_stage_recomputes_only_its_planned_blocks():
+    """A stage module recomputing blocks {1} of 0-2: the same output and gradients as keeping all
+    (dropout on: its masks replayed), with block 1's forward run again in the backward."""
+    import torch
+
+    from hetforge.model.gpt_neox import GPTNeoX
+    from hetforge.train.pipeline import StageModule
+
+    shape = GPTNeoXConfig(n_layers=3, d_model=32, n_heads=4, d_ff=64, vocab_size=64, dropout=0.1,
+                          tie_embeddings=False)
+    x = torch.randint(0, 64, (2, 8))
+    outs, grads = [], []
+    calls = {"n": 0}
+    for recompute in (frozenset(), {1}):
+        model = GPTNeoX.build(shape, "cpu", 0)
+        hook = model.layers[1].register_forward_pre_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
+        calls["n"] = 0
+        torch.manual_seed(1)
+        out = StageModule(model, range(3), True, True, recompute)(x)
+        out.square().mean().backward()
+        hook.remove()
+        outs.append(out.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert calls["n"] == (2 if recompute else 1)
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads))
 
 
 def test_replica_shares_by_speed_and_whole_micro_batches():

@@ -6,12 +6,12 @@ gradients are reduced together every step) are neighbouring ranks, on one node w
 and only activations cross a stage boundary. A stage is as slow as its slowest rank; blocks are
 split to minimise the slowest stage's time per micro-batch (each rank's FLOP rate from its card's
 peak at the run's precision, in the ratios of declared speeds where every rank has one), under
-each stage's memory: its parameters'
-weights, gradients and AdamW state, and the activations of the micro-batches it holds at once
-(1F1B: stages - stage, at most the micro-batch count; GPipe: all of them). Where kept activations
-do not fit (or `parallel.pipeline.recompute: blocks`), every block is recomputed in its backward:
-a stage then holds its blocks' inputs per in-flight micro-batch and one block's working set, and
-its blocks cost 4/3 of their FLOPs.
+each stage's memory: its parameters' weights, gradients and AdamW state, and the activations of
+the micro-batches it holds at once (1F1B: stages - stage, at most the micro-batch count; GPipe:
+all of them). Where kept activations do not fit, each stage recomputes the fewest of its blocks
+that make it fit (`parallel.pipeline.recompute: blocks`: all of them): a recomputed block holds
+only its input per in-flight micro-batch, one block's working set lives while it runs again, and
+it costs 4/3 of its FLOPs. The split weighs that cost too.
 
 With the interleaved schedule each rank of a pipeline holds `virtual` chunks of its blocks (virtual
 stages, looped: chunk c of stage p is virtual stage c x stages + p), so a micro-batch passes each
@@ -56,7 +56,7 @@ class PipelinePlan:
     stage_micro_s: list[float]  # a micro-batch's forward and backward on each stage (its slowest rank), relative
     stage_bytes: list[float]  # predicted peak bytes of each stage's ranks
     why: str
-    recompute: bool = False  # every block's activations recomputed in its backward
+    recomputed: list[int] | None = None  # per stage, how many of its blocks (its first) are recomputed in the backward
     virtual: int = 1  # chunks (virtual stages) per rank: above 1 under the interleaved schedule
     shard: bool = False  # each stage's state sharded over its replicas (FSDP2; parallel.strategy fsdp)
 
@@ -65,6 +65,10 @@ class PipelinePlan:
 
     def replica_of(self, rank: int) -> int:
         return rank % self.replicas
+
+    def recomputed_blocks(self, stage: int) -> set[int]:
+        """The blocks of a stage recomputed in their backward: its first `recomputed[stage]`."""
+        return set(self.blocks(stage)[:self.recomputed[stage]]) if self.recomputed else set()
 
     @property
     def virtual_stages(self) -> int:
@@ -241,21 +245,34 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
     most = max(counts, default=1) or 1
     held_schedule = schedules[0] if len(set(schedules)) == 1 else "gpipe"
 
-    def split(recompute: bool, shard: bool) -> tuple[list[int], str, list[float], list[float]]:
-        def bytes_of(s: int, n: int) -> float:
+    def split(recompute: str, shard: bool) -> tuple[list[int], str, list[float], list[float], list[int]]:
+        """The split with `recompute` none (every activation kept), all (every block recomputed)
+        or fit (per stage, the fewest blocks recomputed that fit its memory)."""
+        def bytes_at(s: int, n: int, r: int) -> float:
             first, last = s == 0, s == stages - 1
             held = inflight(held_schedule, stages, s, most, virtual)
-            chunk = -(-n // virtual)  # the blocks of the stage's largest chunk: a held micro-batch's
-            per_block = boundary if recompute else block_act  # a block's input, or all it saves
+            # a held micro-batch holds one chunk's blocks: per block, held x chunk / n of them
+            per_block = held * -(-n // virtual) / n if n else 0.0
             head = head_act * (1 if virtual > 1 else held) if last else 0.0
-            act = held * chunk * per_block + head + (block_act if recompute and n else 0.0)
+            # a kept block saves all its activations, a recomputed one its input, and one
+            # recomputed block's whole working set lives while its backward runs
+            act = per_block * ((n - r) * block_act + r * boundary) + head + (block_act if r else 0.0)
             buffers = 4 * virtual * boundary  # received activations and sent gradients, per chunk
             static = stage_static_bytes(shape, n, first, last, cfg.train.optimizer, replicas if shard else 1, gather)
             return WORKSPACE * (static + act + buffers)
 
+        def redone(s: int, n: int) -> int:
+            if recompute != "fit" or stage_mem[s] is None:
+                return n if recompute == "all" else 0
+            return next((r for r in range(n + 1) if bytes_at(s, n, r) <= stage_mem[s]), n)
+
+        def bytes_of(s: int, n: int) -> float:
+            return bytes_at(s, n, redone(s, n))
+
         def cost(s: int, n: int) -> float:
             last = s == stages - 1
-            blocks = stage_flops_per_sample(shape, seq, n, False) * (4 / 3 if recompute else 1.0)
+            per_block = stage_flops_per_sample(shape, seq, 1, False)
+            blocks = per_block * (n + redone(s, n) / 3)  # a recomputed block's second forward: 1/3 of its cost
             return (blocks + stage_flops_per_sample(shape, seq, 0, last)) * micro / stage_rate[s]
 
         if pc.layers is not None:
@@ -269,28 +286,29 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
             costs = [(cost(s, 1) - cost(s, 0), cost(s, 0)) for s in range(stages)]
             layers = split_blocks(shape.n_layers, costs, stage_mem, bytes_of, least=virtual)
             how = "sized to each stage's speed and memory"
-        return layers, how, [cost(s, n) for s, n in enumerate(layers)], [bytes_of(s, n) for s, n in enumerate(layers)]
+        return (layers, how, [cost(s, n) for s, n in enumerate(layers)], [bytes_of(s, n) for s, n in enumerate(layers)],
+                [redone(s, n) for s, n in enumerate(layers)])
 
-    # the ways to hold a stage, cheapest first: kept activations before recomputed ones (4/3 of the
-    # FLOPs), replicated state before sharded (a gather and reduce-scatter a step); what the
-    # config fixes is not varied
-    recomputes = {"none": [False], "blocks": [True], "auto": [False, True]}[pc.recompute]
+    # the ways to hold a stage, cheapest first: every activation kept, replicated then sharded (a
+    # gather and reduce-scatter a step); then the fewest blocks recomputed per stage (a third of
+    # their FLOPs again), replicated then sharded; what the config fixes is not varied
+    recomputes = {"none": ["none"], "blocks": ["all"], "auto": ["none", "fit"]}[pc.recompute]
     shards = [False] if replicas == 1 or virtual > 1 else \
         {"fsdp": [True], "auto": [False, True]}.get(cfg.parallel.strategy, [False])
     tries = [(r, sh) for r in recomputes for sh in shards]
     for i, (recompute, shard) in enumerate(tries):
         try:
-            layers, how, micro_s, stage_bytes = split(recompute, shard)
+            layers, how, micro_s, stage_bytes, recomputed = split(recompute, shard)
             break
         except ConfigError:
             if i == len(tries) - 1:
                 raise
-    how += "; blocks recomputed in the backward" if recompute else ""
+    how += f"; blocks recomputed in the backward: {'+'.join(map(str, recomputed))}" if any(recomputed) else ""
     how += f"; {virtual} chunks a stage" if virtual > 1 else ""
     how += f"; each stage sharded over its {replicas} replicas" if shard else ""
     why = (f"{stages} stages x {replicas} replica(s), blocks {'+'.join(map(str, layers))} ({how}); "
            f"micro-batches of {micro}: {', '.join(f'{n} {sch}' for n, sch in zip(counts, schedules))}")
-    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s, stage_bytes, why, recompute,
+    return PipelinePlan(stages, replicas, layers, micro, counts, schedules, micro_s, stage_bytes, why, recomputed,
                         virtual, shard)
 
 

@@ -376,7 +376,8 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
                                                      cfg.train.optimizer, pipe.replicas if pipe.shard else 1,
                                                      4 if precision == "fp32" else 2),
                                    summary=f"stage {s}, blocks {pipe.blocks_text(s)}"
-                                   + (", recomputed" if pipe.recompute else "")
+                                   + (f", {pipe.recomputed[s]} recomputed" if pipe.recomputed and pipe.recomputed[s]
+                                      else "")
                                    + (f", sharded over {pipe.replicas} replicas" if pipe.shard else ""),
                                    predicted_peak_bytes=pipe.stage_bytes[s]))
     plan = RunPlan(world, precision, False, "pipeline", None, cfg.parallel.unit_params, "none", "sharded", balance,

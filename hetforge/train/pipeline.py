@@ -54,11 +54,11 @@ def prune_to_stage(model: GPTNeoX, blocks, first: bool, last: bool) -> GPTNeoX:
 
 
 class StageModule(nn.Module):
-    """One stage's forward: token ids or hidden states in, hidden states or logits out. With
-    `recompute`, each block keeps only its input and runs its forward again in the backward
-    (non-reentrant checkpointing, the dropout masks replayed)."""
+    """One stage's forward: token ids or hidden states in, hidden states or logits out. Each block
+    in `recompute` keeps only its input and runs its forward again in the backward (non-reentrant
+    checkpointing, the dropout masks replayed)."""
 
-    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: bool = False):
+    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: set[int] = frozenset()):
         # `model` is the rank's pruned model, shared by its chunks under the interleaved schedule
         super().__init__()
         self.model, self.blocks, self.first, self.last, self.recompute = model, blocks, first, last, recompute
@@ -68,7 +68,7 @@ class StageModule(nn.Module):
         h = m.emb_dropout(m.embed_in(x)) if self.first else x
         cos, sin = m.rotary.cos_sin(h.shape[1], h.device)
         for i in self.blocks:
-            if self.recompute and torch.is_grad_enabled():
+            if i in self.recompute and torch.is_grad_enabled():
                 h = checkpoint(m.layers[i], h, cos, sin, use_reentrant=False)
             else:
                 h = m.layers[i](h, cos, sin)
@@ -186,7 +186,8 @@ def stage_parts(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.dev
     dp_groups = [dist.new_group(plan.stage_ranks(s)) if plan.replicas > 1 else None for s in range(plan.stages)]
     s, r = plan.stage_of(rank), plan.replica_of(rank)
     last = plan.virtual_stages - 1
-    modules = [StageModule(model, plan.virtual_blocks(g), g == 0, g == last, plan.recompute) for g in plan.chunks(s)]
+    redone = plan.recomputed_blocks(s)
+    modules = [StageModule(model, plan.virtual_blocks(g), g == 0, g == last, redone) for g in plan.chunks(s)]
     if plan.shard:
         mesh = DeviceMesh.from_group(dp_groups[s], device.type, mesh_dim_names=("replicas",))
         shard_stage(modules[0], mesh, param_dtype)
