@@ -303,8 +303,10 @@ def _build(profile: ModelProfile, menu: Menu, budget: float):
         h.addConstr(p == prefix[-1] + held[k])
         prefix.append(p)
 
+    others = (profile.inflight - 1) * prefix[n] if profile.inflight > 1 and n else 0.0  # see ModelProfile.inflight
+
     def mem_row(expr) -> None:
-        h.addConstr(expr <= limit)
+        h.addConstr(expr + others <= limit)
 
     stalls = []
 
@@ -381,6 +383,15 @@ def solve(
         keep.solve = {"status": "keep-all fits", "seconds": 0.0, "gap": 0.0, "variables": 0, "constraints": 0}
         return keep
     start = feasible_plan(profile, menu, budget)  # simulated: within the budget
+    if start is None and profile.inflight > 1:  # the chain search's grids may miss a plan that fits
+        h, terms = _build(profile, menu, budget - MILP_MARGIN_BYTES)
+        status, secs, mip_gap = _run(h, time_limit_s, gap)
+        if _has_solution(h):
+            plan = Plan([t["extract"]() for t in terms], strategy)
+            if simulate(profile, plan).peak_bytes <= budget:
+                plan.solve = {"status": status, "seconds": secs, "gap": mip_gap, "variables": h.getNumCol(),
+                              "constraints": h.getNumRow()}
+                return plan
     if start is None:
         need = math.ceil(minimum_budget(profile, menu))
         raise PlanError(

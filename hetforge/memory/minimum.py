@@ -86,6 +86,9 @@ def feasible_plan(profile: ModelProfile, menu, budget: float) -> Plan | None:
     menus = _menus(profile, menu)
     bound = budget - profile.base_bytes
     slack = 1e-9 * max(abs(budget), 1.0)
+    if profile.inflight > 1:
+        peak, plan = _inflight_minimum(profile, menus)
+        return plan if peak <= budget else None
     for _ in range(4):
         names = _feasible(menus, profile.head_peak, bound + slack, profile.overlap)
         if names is None:
@@ -98,8 +101,37 @@ def feasible_plan(profile: ModelProfile, menu, budget: float) -> Plan | None:
     return None
 
 
+def _inflight_minimum(profile: ModelProfile, menus, samples: int = 48) -> tuple[float, Plan]:
+    """With k micro-batches in flight every row carries (k - 1) x the plan's total held bytes H, so
+    the bound is no longer one pass: the least peak is min over row bounds b of b + (k - 1) x H(b),
+    H(b) the least total any plan within rows b holds (what the pass finds). H is a step function
+    of b, so the minimum sits just above one of its steps: a grid over b, then a finer one around
+    the best; each plan found is simulated, so what is returned is a real plan's peak."""
+    n = len(profile.blocks)
+    hi = simulate(profile, Plan(["keep"] * n)).peak_bytes - profile.base_bytes
+    lo = max([profile.head_peak] + [float(c[:, 2:].max(axis=1).min()) for _, c in menus]) - 1.0
+    best: tuple[float, Plan] = (simulate(profile, Plan(["keep"] * n)).peak_bytes, Plan(["keep"] * n))
+    for _ in range(2):
+        step = (hi - lo) / samples
+        at = lo
+        for i in range(samples + 1):
+            b = lo + i * step
+            names = _feasible(menus, profile.head_peak, b, profile.overlap)
+            if names is not None:
+                plan = Plan(names, "feasible")
+                peak = simulate(profile, plan).peak_bytes
+                if peak < best[0]:
+                    best, at = (peak, plan), b
+        lo, hi = max(lo, at - step), at + step
+    return best
+
+
 def minimum_peak(profile: ModelProfile, menu) -> tuple[float, Plan]:
-    """The smallest peak any plan on `menu` reaches, and that plan."""
+    """The smallest peak any plan on `menu` reaches, and that plan (with several micro-batches in
+    flight, `_inflight_minimum`'s: as low as its grids find)."""
+    if profile.inflight > 1:
+        peak, plan = _inflight_minimum(profile, _menus(profile, menu))
+        return peak, Plan(plan.options, "min-memory")
     menus = _menus(profile, menu)
     n = len(profile.blocks)
     hi = simulate(profile, Plan(["keep"] * n)).peak_bytes - profile.base_bytes

@@ -347,6 +347,10 @@ class ModelProfile:
     # Copies run beside compute (a GPU's copy stream) or on the compute's own cores (the CPU: the
     # copy out is paid in the block's forward, the copy back in the backward that prefetches it).
     overlap: bool = True
+    # Micro-batches whose saved activations are alive at once: 1, but a pipeline stage under 1F1B
+    # holds the forwards of several before their backwards; every row then carries the other
+    # micro-batches' held bytes too (their blocks' choices are this one's).
+    inflight: int = 1
 
     @property
     def static_bytes(self) -> float:
@@ -440,15 +444,16 @@ def simulate(profile: ModelProfile, plan: Plan) -> Prediction:
     stall = 0.0
     peak, peak_at = -1.0, {}
     prefix = 0.0
+    others = (profile.inflight - 1) * sum(held)  # the other in-flight micro-batches' saved bytes
 
     def record(stage: str, dur: float, own: float, neighbour: float, prefix_: float) -> None:
         nonlocal peak, peak_at
-        mem = profile.base_bytes + prefix_ + neighbour + own
+        mem = profile.base_bytes + others + prefix_ + neighbour + own
         timeline.append((stage, dur, mem))
         if mem > peak:
             peak = mem
             peak_at = {**profile.static, "rotary tables": profile.shared_bytes, "workspace": profile.workspace_bytes,
-                       "activations held": prefix_,
+                       "activations held": prefix_, "other micro-batches' activations": others,
                        "transfer buffers": neighbour, f"{stage} working set": own}
 
     lap = profile.overlap
