@@ -322,18 +322,18 @@ class PlanRunner:
             return None
         return self.copy_stream or torch.cuda.current_stream(device)
 
-    def _prefetch(self, block: int) -> None:
-        st = self._state.get(block)
-        for copy in (list(st.copies.values()) if st else ()):
+    # The backward's hooks take the block state of the forward that registered them, not the
+    # latest: under a pipeline schedule another micro-batch's forward runs between the two.
+    def _prefetch(self, st: _BlockState) -> None:
+        for copy in list(st.copies.values()):
             copy.fetch(self._stream(copy.device))
 
-    def _release_cached(self, block: int) -> None:
-        st = self._state.get(block)
-        while st and st.cached:
+    def _release_cached(self, st: _BlockState) -> None:
+        while st.cached:
             self.ledger.release_device(st.cached.pop())
 
     # --- selective checkpointing: which op outputs a recomputed branch caches ----------------
-    def _policy(self, block: int, cached: frozenset, ctx, op, *args, **kwargs):
+    def _policy(self, st: _BlockState, cached: frozenset, ctx, op, *args, **kwargs):
         unit = self.labeller.op_unit(op)  # advances the labeller on every op, views included
         if unit is None or unit not in cached or is_view_op(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
@@ -347,7 +347,7 @@ class PlanRunner:
                                                 "key": storage_key(out), "bytes": out.untyped_storage().nbytes()})
                 key = self.ledger.hold_device(out)
                 if key is not None:
-                    self._state[block].cached.append(key)
+                    st.cached.append(key)
         return CheckpointPolicy.MUST_SAVE
 
     # --- the block loop --------------------------------------------------------------------
@@ -372,7 +372,7 @@ class PlanRunner:
                 kw = {"use_reentrant": False, "preserve_rng_state": self.random}
                 if bp.units:
                     kw["context_fn"] = partial(create_selective_checkpoint_contexts,
-                                               partial(self._policy, block, bp.units))
+                                               partial(self._policy, st, bp.units))
                 return checkpoint(fn, *args, **kw)
             return fn(*args)
         finally:
@@ -388,7 +388,7 @@ class PlanRunner:
         d = self.decisions[i]
         if x.requires_grad and any(d.branch(b).mode == "recompute" and d.branch(b).units for b in BRANCHES):
             # the gradient of the block's input is complete once the block's backward is done
-            x.register_hook(lambda g, b=i: (self._release_cached(b), g)[1])
+            x.register_hook(lambda g, st=st: (self._release_cached(st), g)[1])
         out = layers[i](x, cos, sin, run=lambda nm, f, *a, i=i: self._run_branch(i, nm, f, *a))
         st.alive.clear()
         return out
@@ -424,7 +424,7 @@ class PlanRunner:
                 x = self._block(layers, i, x, cos, sin)
             if i > 0 and len(self._state[i - 1].copies) and x.requires_grad:
                 # B_i is about to start when this gradient arrives: bring block i-1 back now
-                x.register_hook(lambda g, b=i - 1: (self._prefetch(b), g)[1])
+                x.register_hook(lambda g, st=self._state[i - 1]: (self._prefetch(st), g)[1])
             i += 1
         self._branch = None
         return x
