@@ -495,9 +495,9 @@ class RunConfig(_Strict):
         if pipe.layers is not None and self.model.n_layers is not None and sum(pipe.layers) != self.model.n_layers:
             raise ValueError(f"parallel.pipeline.layers {pipe.layers} cover {sum(pipe.layers)} blocks but the model "
                              f"has {self.model.n_layers}; the counts must add up to model.n_layers")
-        if self.memory.active and pipe.stages != "auto":  # under auto, the plan is for data-parallel layouts
-            raise ValueError("parallel.pipeline with an activation plan (memory.*) is not supported; each stage "
-                             "keeps its activations")
+        if self.memory.active and pipe.schedule == "interleaved":
+            raise ValueError("an activation plan (memory.*) is made per stage under the 1f1b or gpipe schedule, not "
+                             "interleaved (a rank's chunks would share one plan)")
         if pipe.stages == "auto" and self.cluster.balance == "fixed":
             raise ValueError("parallel.pipeline.stages: auto with cluster.balance: fixed: the assignments are per "
                              "replica, and the replicas are not known until the layout is chosen; give the stages")

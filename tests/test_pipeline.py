@@ -117,6 +117,25 @@ def test_recomputed_stages_give_the_same_update(make_cfg, tmp_path, refs):
 
 
 @pytest.mark.slow
+def test_stage_activation_plans_give_the_same_update(make_cfg, tmp_path, refs):
+    """memory.strategy full under a 2-stage 1F1B pipeline: each stage's blocks run under its
+    per-tensor plan's executor (every block recomputed, the first stage's two micro-batches in
+    flight at once): the update is still one process's."""
+    cfg = piped(make_cfg, "pipe-memory-plan", 2, 2, steps=5, micro_batch_size=2, global_batch_tokens=8 * 32,
+                checkpoint_interval=5, eval_interval=1000)
+    raw = cfg.model_dump(mode="json")
+    raw["memory"] = {**raw["memory"], "strategy": "full", "budget": "8GiB"}
+    cfg = build_config(raw)
+    res = run_train(cfg, 2, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    plan = json.loads((Path(cfg.run_dir) / "plan.json").read_text())
+    assert [r["activation_plan"] for r in plan["ranks"]] == [["recompute"], ["recompute"]]
+    got, want = losses(cfg), losses(refs[2])
+    assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in want), (got, want)
+    assert max_diff(weights(cfg), weights(refs[2])) <= 2e-4
+
+
+@pytest.mark.slow
 def test_a_pipeline_trains_in_fp16_with_one_loss_scale(make_cfg, tmp_path, data_dir):
     """fp16 on 2 stages x 2 replicas: the loss is scaled on the last stage, every rank unscales its
     own gradients and the inf/NaN check is agreed over all ranks (ShardedGradScaler), so the run
@@ -328,6 +347,37 @@ def test_a_stage_recomputes_only_its_planned_blocks():
         assert calls["n"] == (2 if recompute else 1)
     assert torch.equal(outs[0], outs[1])
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads))
+
+
+def test_each_stage_plans_its_activations_with_its_micro_batches_in_flight():
+    """memory.budget under a fixed pipeline, declared V100s at 1.6 GiB: each rank solves a per-tensor
+    plan for its own blocks, with the micro-batches its 1F1B stage holds at once (2 on the first, 1
+    on the last) counted, and fits; the first stage, holding more, moves more of its activations."""
+    from hetforge.cluster.facts import declared_facts
+    from hetforge.cluster.run_plan import resolve_plan
+    from hetforge.memory.plan import Plan, stage_profile, simulate
+    from tests.test_run_plan import nodes
+
+    cfg = build_config({"model": {"preset": None, "n_layers": 8, "d_model": 1024, "n_heads": 8},
+                        "train": {"seq_len": 1024, "micro_batch_size": 2, "global_batch_tokens": 8 * 2 * 1024},
+                        "memory": {"budget": "auto"}, "parallel": {"pipeline": {"stages": 2}}})
+    facts = declared_facts(cfg, BIG, nodes({"type": "V100-16GB", "count": 2, "memory_gb": 1.6}), "x")
+    plan = resolve_plan(cfg, BIG, facts)
+    pipe = plan.pipeline
+    assert pipe.layers == [4, 4] and pipe.recomputed == [0, 0] and "activations planned per stage" in pipe.why
+    moved = []
+    for r in plan.ranks:
+        assert len(r.activation_plan) == 4 and r.predicted_peak_bytes <= r.memory_bytes
+        moved.append(sum(o != "keep" for o in r.activation_plan))
+        # the prediction is the simulator's on the stage's profile, with its in-flight micro-batches
+        prof = facts.views[r.rank].profile(2, plan.precision, r.head_dim, False)
+        buffers = 4 * 2 * 1024 * 1024 * 4  # received activations and sent gradients: micro x seq x d_model, fp32
+        stage = stage_profile(prof, 4, r.rank == 1, r.static_bytes, 2 - r.rank, buffers)
+        assert simulate(stage, Plan(r.activation_plan)).peak_bytes == pytest.approx(r.predicted_peak_bytes)
+        assert simulate(stage, Plan(["keep"] * 4)).peak_bytes > r.memory_bytes  # keeping all would not fit
+    assert moved[0] >= moved[1] > 0
+    with pytest.raises(ValueError, match="not interleaved"):
+        build_config({"memory": {"budget": "1GiB"}, "parallel": {"pipeline": {"stages": 2, "schedule": "interleaved"}}})
 
 
 def test_replica_shares_by_speed_and_whole_micro_batches():

@@ -293,6 +293,8 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
     # gather and reduce-scatter a step); then the fewest blocks recomputed per stage (a third of
     # their FLOPs again), replicated then sharded; what the config fixes is not varied
     recomputes = {"none": ["none"], "blocks": ["all"], "auto": ["none", "fit"]}[pc.recompute]
+    if cfg.memory.active:  # a per-tensor plan per stage decides; recomputed blocks only size the split
+        recomputes = ["none", "fit"]
     shards = [False] if replicas == 1 or virtual > 1 else \
         {"fsdp": [True], "auto": [False, True]}.get(cfg.parallel.strategy, [False])
     tries = [(r, sh) for r in recomputes for sh in shards]
@@ -303,6 +305,9 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
         except ConfigError:
             if i == len(tries) - 1:
                 raise
+    if cfg.memory.active:
+        recomputed = [0] * stages
+        how += "; activations planned per stage"
     how += f"; blocks recomputed in the backward: {'+'.join(map(str, recomputed))}" if any(recomputed) else ""
     how += f"; {virtual} chunks a stage" if virtual > 1 else ""
     how += f"; each stage sharded over its {replicas} replicas" if shard else ""

@@ -27,21 +27,21 @@ from typing import Any, Callable, Protocol
 from hetforge.cluster.balance import (BalanceError, BalancePlan, RankInfo, RankShare, TimeModel, balanced_plan,
                                       choose_accumulation, collective_seconds, equal_counts, equal_plan, fixed_plan)
 from hetforge.cluster.layouts import Links, Ranks, candidates, choose, offload_seconds
-from hetforge.cluster.pipeline_plan import PipelinePlan, plan_pipeline
+from hetforge.cluster.pipeline_plan import PipelinePlan, inflight, plan_pipeline
 from hetforge.cluster.probe import (WORKSPACE_MARGIN, candidate_sizes, largest_fitting, micro_batches_within,
                                     planned_points, planned_step_costs)
 from hetforge.config import ConfigError, MeshConfig, RunConfig
 from hetforge.core.checkpoint_io import write_text_atomic
 from hetforge.core.hardware import Capability, compile_decision, padded_head_dim, run_precision, sdpa_backend
 from hetforge.core.sizes import format_bytes
-from hetforge.memory.analytic import activation_bytes_per_sample
-from hetforge.memory.device_plan import DevicePlan, comm_workspace, plan_profile, resolve_budget
-from hetforge.memory.milp import PlanError
-from hetforge.memory.plan import ModelProfile, Plan
+from hetforge.memory.analytic import activation_bytes_per_sample, block_summary
+from hetforge.memory.device_plan import DevicePlan, comm_workspace, plan_profile, rebuild_units, resolve_budget
+from hetforge.memory.milp import PlanError, plan_for_strategy
+from hetforge.memory.plan import ModelProfile, Plan, simulate, stage_profile
 from hetforge.memory.sharding import HOST_OPTIMIZER, HOST_PARAMS, NoStrategyFits, RankNeed, choose_strategy, pick_strategy, \
     unit_size_that_fits
 from hetforge.model.accounting import (STRATEGIES, ShardLayout, collective_bytes_per_step, collectives_per_micro_batch,
-                                       parameter_sizes, stage_state_bytes,
+                                       parameter_sizes, stage_state_bytes, boundary_bytes,
                                        state_shares, unsharded_accumulation_collectives)
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
@@ -367,24 +367,61 @@ def _pipeline_run_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> Ru
                                 n * pipe.micro_batch_size, [pipe.micro_batch_size] * n,
                                 pipe.slots(r) * slot))
     balance = BalancePlan(cfg.train.global_batch_size, cfg.cluster.balance, shares)
+    activations: list[dict | None] = [None] * world
+    if cfg.memory.active:  # each rank's per-tensor plan for its stage replaces the blocks' recomputation
+        activations = facts.gather(lambda view: _stage_memory_plan(cfg, shape, view, pipe, precision,
+                                                                   heads[view.facts.rank]))
+        why["memory"] = (f"per stage, an activation plan ({cfg.memory.strategy}) for its blocks with the schedule's "
+                         f"micro-batches in flight")
     rank_plans = []
     for r in ranks:
-        s = pipe.stage_of(r.rank)
+        s, act = pipe.stage_of(r.rank), activations[r.rank]
         kernel = sdpa_backend(r.capability, precision, heads[r.rank]) if r.kind == "cuda" else "cpu"
         rank_plans.append(RankPlan(r.rank, r.node, r.host, r.device, r.memory_bytes, heads[r.rank], kernel, None,
                                    stage_state_bytes(shape, pipe.layers[s], s == 0, s == pipe.stages - 1,
                                                      cfg.train.optimizer, pipe.replicas if pipe.shard else 1,
                                                      4 if precision == "fp32" else 2),
+                                   activation_plan=act["options"] if act else None,
+                                   segments=act["segments"] if act else None,
                                    summary=f"stage {s}, blocks {pipe.blocks_text(s)}"
                                    + (f", {pipe.recomputed[s]} recomputed" if pipe.recomputed and pipe.recomputed[s]
                                       else "")
+                                   + (f", activations: {act['summary']}" if act else "")
                                    + (f", sharded over {pipe.replicas} replicas" if pipe.shard else ""),
-                                   predicted_peak_bytes=pipe.stage_bytes[s]))
+                                   predicted_peak_bytes=act["peak"] if act else pipe.stage_bytes[s],
+                                   predicted_held_bytes=act["held"] if act else None,
+                                   predicted_micro_step_s=act["time_s"] if act else None,
+                                   keep_all_micro_step_s=act["keep_s"] if act else None))
     plan = RunPlan(world, precision, False, "pipeline", None, cfg.parallel.unit_params, "none", "sharded", balance,
                    rank_plans, None, None, {}, why, pipeline=pipe)
     plan.fingerprint = fingerprint(cfg, shape, ranks)
     plan.facts = {"seq_len": cfg.train.seq_len, "ranks": [r.to_dict() for r in ranks]}
     return plan
+
+
+def _stage_memory_plan(cfg: RunConfig, shape: GPTNeoXConfig, view: RankView, pipe: PipelinePlan, precision: str,
+                       head_dim: int) -> dict:
+    """One rank's activation plan for its stage: its device's profile cut to the stage
+    (`memory.plan.stage_profile`: its blocks, the head where it is last, its own static bytes and
+    buffers) with the micro-batches its schedule holds at once, solved under its budget."""
+    rank = view.facts.rank
+    s, rep = pipe.stage_of(rank), pipe.replica_of(rank)
+    n, first, last = pipe.layers[s], s == 0, s == pipe.stages - 1
+    micro, elt = pipe.micro_batch_size, 4 if precision == "fp32" else 2
+    prof = view.profile(micro, precision, head_dim, False)
+    static = stage_state_bytes(shape, n, first, last, cfg.train.optimizer, pipe.replicas if pipe.shard else 1, elt)
+    held = inflight(pipe.schedules[rep], pipe.stages, s, max(pipe.micro_batches[rep], 1))
+    sp = stage_profile(prof, n, last, static, held, 4 * boundary_bytes(shape, micro, cfg.train.seq_len, elt))
+    mem = cfg.memory
+    try:
+        plan = plan_for_strategy(sp, resolve_budget(mem, view.facts.memory_bytes), mem.strategy, mem.granularity,
+                                 mem.time_limit_s, rebuild_units(mem, False))
+    except PlanError as err:
+        raise PlanError(f"pipeline stage {s} (rank {rank}: {n} blocks, {held} micro-batch(es) in flight): {err}") from None
+    pred, keep = simulate(sp, plan), simulate(sp, Plan(["keep"] * n))
+    return {"options": plan.options, "segments": [list(x) for x in plan.segments] if plan.segments else None,
+            "peak": pred.peak_bytes, "held": pred.held_bytes, "time_s": pred.time_s, "keep_s": keep.time_s,
+            "summary": block_summary(sp, plan.options)}
 
 
 def _chosen_layout_plan(cfg: RunConfig, shape: GPTNeoXConfig, facts: Facts) -> RunPlan:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 
 BRANCHES = ("attn", "mlp")
@@ -491,6 +491,18 @@ def simulate(profile: ModelProfile, plan: Plan) -> Prediction:
         breakdown_memory=peak_at,
         timeline=timeline,
     )
+
+
+def stage_profile(profile: ModelProfile, blocks: int, last: bool, static: dict[str, float], inflight: int,
+                  workspace_bytes: float) -> ModelProfile:
+    """A pipeline stage's part of a model profile: its first `blocks` blocks (a model's blocks are
+    alike), the head only on the last stage (logits and loss; the embedding's output is the
+    first block's input), its own static bytes, the schedule's micro-batches in flight, and its
+    send and receive buffers as workspace."""
+    head = (profile.head_fwd_s, profile.head_bwd_s, profile.head_held, profile.head_peak) if last else (0.0,) * 4
+    return replace(profile, blocks=list(profile.blocks[:blocks]), static=dict(static), head_fwd_s=head[0],
+                   head_bwd_s=head[1], head_held=head[2], head_peak=head[3], inflight=inflight,
+                   workspace_bytes=workspace_bytes, meta={**profile.meta, "n_layers": blocks})
 
 
 def sqrt_segments(n: int) -> list[tuple[int, int]]:

@@ -272,7 +272,8 @@ class Trainer:
             self.say(f"attention: head size {self.shape.head_dim} run at {head} (zero channels, exact) so that a "
                      f"fused kernel takes it (model.pad_head_dim={cfg.model.pad_head_dim})")
         if plan.pipeline is not None:  # groups and chunk modules (sharded over the replicas where planned)
-            self.stage_parts = stage_parts(plan.pipeline, rank, model, self.device, self.precision.compute_dtype)
+            self.stage_parts = stage_parts(plan.pipeline, rank, model, self.device, self.precision.compute_dtype,
+                                           plan.ranks[rank].plan)
         if plan.sharded:
             pc = cfg.parallel
             replicate, shard = plan.mesh
@@ -288,7 +289,7 @@ class Trainer:
         parallelism, observers: all as the plan says."""
         cfg, ctx, tc, plan = self.cfg, self.ctx, self.cfg.train, self.plan
         mine = plan.ranks[ctx.rank]
-        if mine.plan is not None:
+        if mine.plan is not None and plan.pipeline is None:  # a pipeline stage's runs in its stage module
             runner = apply_plan(self.model, mine.plan, measure=False)
             self.observers.append(PlanCheckObserver(PlanCheck(
                 mine.predicted_held_bytes, mine.predicted_micro_step_s, mine.activation_peak_bytes,

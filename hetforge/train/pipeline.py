@@ -30,6 +30,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hetforge.cluster.pipeline_plan import PipelinePlan
 from hetforge.data.shards import batch_from_numpy
+from hetforge.memory.executor import PlanRunner, parameter_storages
+from hetforge.memory.plan import Plan
 from hetforge.model.gpt_neox import GPTNeoX
 
 
@@ -58,15 +60,21 @@ class StageModule(nn.Module):
     in `recompute` keeps only its input and runs its forward again in the backward (non-reentrant
     checkpointing, the dropout masks replayed)."""
 
-    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: set[int] = frozenset()):
-        # `model` is the rank's pruned model, shared by its chunks under the interleaved schedule
+    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: set[int] = frozenset(),
+                 runner: PlanRunner | None = None):
+        # `model` is the rank's pruned model, shared by its chunks under the interleaved schedule;
+        # `runner`: the stage's per-tensor activation plan, which then runs its blocks
         super().__init__()
         self.model, self.blocks, self.first, self.last, self.recompute = model, blocks, first, last, recompute
+        self.__dict__["runner"] = runner  # not a submodule: its blocks are the model's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.model
         h = m.emb_dropout(m.embed_in(x)) if self.first else x
         cos, sin = m.rotary.cos_sin(h.shape[1], h.device)
+        if self.runner is not None:
+            h = self.runner([m.layers[i] for i in self.blocks], h, cos, sin)
+            return m.embed_out(m.final_layer_norm(h)) if self.last else h
         for i in self.blocks:
             if i in self.recompute and torch.is_grad_enabled():
                 h = checkpoint(m.layers[i], h, cos, sin, use_reentrant=False)
@@ -179,9 +187,10 @@ class StageParts:
 
 
 def stage_parts(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.device,
-                param_dtype: torch.dtype | None) -> StageParts:
+                param_dtype: torch.dtype | None, activation_plan: Plan | None = None) -> StageParts:
     """This rank's groups (every rank creates every group, in one order) and its chunks' modules,
-    sharded over the stage's replicas where the plan says so."""
+    sharded over the stage's replicas where the plan says so, its blocks run under the stage's
+    activation plan where there is one."""
     pp_groups = [dist.new_group(plan.pipeline_ranks(r)) for r in range(plan.replicas)]
     dp_groups = [dist.new_group(plan.stage_ranks(s)) if plan.replicas > 1 else None for s in range(plan.stages)]
     s, r = plan.stage_of(rank), plan.replica_of(rank)
@@ -191,6 +200,13 @@ def stage_parts(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.dev
     if plan.shard:
         mesh = DeviceMesh.from_group(dp_groups[s], device.type, mesh_dim_names=("replicas",))
         shard_stage(modules[0], mesh, param_dtype)
+    if activation_plan is not None:  # one chunk (the config refuses the interleaved schedule with a plan)
+        blocks = [model.layers[i] for i in modules[0].blocks]
+        runner = PlanRunner(activation_plan, parameter_storages(model), model.cfg.parallel_residual,
+                            random=model.cfg.dropout > 0)
+        runner.measure = False
+        runner._handles = runner.install_labels(blocks)
+        modules[0].__dict__["runner"] = runner
     return StageParts(pp_groups[r], dp_groups[s], modules)
 
 
