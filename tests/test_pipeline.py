@@ -378,6 +378,12 @@ def test_each_stage_plans_its_activations_with_its_micro_batches_in_flight():
     assert moved[0] >= moved[1] > 0
     with pytest.raises(ValueError, match="not interleaved"):
         build_config({"memory": {"budget": "1GiB"}, "parallel": {"pipeline": {"stages": 2, "schedule": "interleaved"}}})
+    # with a plan, stages: auto prices no interleaved pipeline (its chunks would share one plan)
+    auto = cfg.model_copy(update={"parallel": build_config({"parallel": {"pipeline": {"stages": "auto"}}}).parallel})
+    ranks = Ranks(["V100-16GB"] * 2, [0, 1], [None] * 2, [1.6 * GIB] * 2, {0: None, 1: None})
+    layouts = [c.layout for c in candidates(auto, BIG, ranks, "fp32", 128, Links(10e9, 1e9, 50e-6))]
+    assert any(name.startswith("pipeline 2 stages") for name in layouts)
+    assert not any("interleaved" in name for name in layouts)
 
 
 def test_replica_shares_by_speed_and_whole_micro_batches():

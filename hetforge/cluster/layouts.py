@@ -115,7 +115,7 @@ def candidates(cfg: RunConfig, shape: GPTNeoXConfig, ranks: Ranks, precision: st
            for offload in (OFFLOADS[s] if cards else ("none",))]
     pc = cfg.parallel.pipeline
     schedules = [pc.schedule if pc is not None else "auto"]
-    if schedules[0] == "auto":
+    if schedules[0] == "auto" and not cfg.memory.active:  # per-stage activation plans run 1F1B or GPipe
         schedules.append("interleaved")
     for stages in range(2, min(world, shape.n_layers) + 1):
         for schedule in schedules:

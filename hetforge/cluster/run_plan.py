@@ -405,6 +405,8 @@ def _stage_memory_plan(cfg: RunConfig, shape: GPTNeoXConfig, view: RankView, pip
     (`memory.plan.stage_profile`: its blocks, the head where it is last, its own static bytes and
     buffers) with the micro-batches its schedule holds at once, solved under its budget."""
     rank = view.facts.rank
+    if pipe.virtual > 1:
+        raise PlanError("an activation plan per stage runs under the 1f1b or gpipe schedule, not interleaved")
     s, rep = pipe.stage_of(rank), pipe.replica_of(rank)
     n, first, last = pipe.layers[s], s == 0, s == pipe.stages - 1
     micro, elt = pipe.micro_batch_size, 4 if precision == "fp32" else 2
