@@ -340,7 +340,7 @@ def pipeline_smoke(spec: dict, device: str) -> dict:
 
     from hetforge.cluster.pipeline_plan import PipelinePlan
     from hetforge.model.presets import PRESETS
-    from hetforge.train.pipeline import build_pipeline
+    from hetforge.train.pipeline import build_pipeline, stage_parts
     from hetforge.train.step import TokenLoss
 
     preset, micro = spec["pipeline_model"]
@@ -355,7 +355,7 @@ def pipeline_smoke(spec: dict, device: str) -> dict:
         reference = copy.deepcopy(model)
         n = 4
         plan = PipelinePlan(1, 1, [cfg.n_layers], micro, [n], ["interleaved"], [1.0], [0.0], "gpu smoke", virtual=2)
-        pipe = build_pipeline(plan, 0, model, dev, TokenLoss())
+        pipe = build_pipeline(plan, 0, stage_parts(plan, 0, model, dev, None), dev, TokenLoss())
         gen = torch.Generator().manual_seed(0)
         idx = torch.randint(0, cfg.vocab_size, (n * micro, spec["seq"] + 1), generator=gen).to(dev)
         x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
