@@ -7,14 +7,15 @@ two CPU ranks each, launched as `hetforge launch` prints. The model has 4 blocks
 0.6 GiB: the whole training state (1.07 GB) does not fit on one node's pair, so neither replication,
 nor ZeRO, nor FSDP within a node (HSDP) fits; FSDP over all four ranks, a 2-stage pipeline (one
 stage a node, replicated over the node's two ranks) and a 4-stage pipeline do. Per link speed: FSDP
-across the nodes, both pipelines, and `parallel.pipeline.stages: auto` (the planner's choice at the
-declared links), each trained a few steps; the measured step is the median of the steps after the
+across the nodes, the 2-stage pipeline under 1F1B and interleaved (two chunks a rank), the 4-stage
+one, and `parallel.pipeline.stages: auto` (the planner's choice at the declared links), each
+trained a few steps; the measured step is the median of the steps after the
 first two. The predicted steps are the plan's layout table at that link (CPU ranks' rate: this
 machine's single-thread matmul peak, halved as four ranks share two cores). The link declared to
 the planner (`cluster.inter_node_gbit`) is what gloo's all-gather and reduce-scatter of the
 model's weights reach through the shaped link, probed first, as a lab would measure its own.
 
-    sudo .venv/bin/python bench/slow_links.py              # about 25 minutes on 2 cores
+    sudo .venv/bin/python bench/slow_links.py              # about 10 minutes on 2 cores
     sudo .venv/bin/python bench/slow_links.py --per-node 1 # one rank a node, a core each (0.85 GiB a rank:
                                                            # FSDP over both and a 2-stage pipeline fit)
 
@@ -53,9 +54,18 @@ from hetforge.core.metrics import read_metrics  # noqa: E402
 from tests.netns import TwoNodes, why_not  # noqa: E402
 
 MEMORY_GB = {2: 0.6, 1: 0.85}  # per rank, by ranks a node: the state fits neither one node nor one rank
-LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "pipeline-2": {"pipeline": {"stages": 2}},
-           "pipeline-4": {"pipeline": {"stages": 4}}, "auto": {"pipeline": {"stages": "auto"}}}
-TABLE_NAME = {"fsdp": "fsdp", "pipeline-2": "pipeline 2 stages", "pipeline-4": "pipeline 4 stages"}
+LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "pipeline-2": {"pipeline": {"stages": 2, "schedule": "1f1b"}},
+           "pipeline-2-interleaved": {"pipeline": {"stages": 2, "schedule": "interleaved"}},
+           "pipeline-4": {"pipeline": {"stages": 4, "schedule": "1f1b"}}, "auto": {"pipeline": {"stages": "auto"}}}
+
+
+def table_row(layout: str, name: str) -> bool:
+    """Whether a row of the plan's layout table (its `layout`) is the bench's layout `name`."""
+    if name == "fsdp":
+        return layout == "fsdp"
+    stages, interleaved = int(name.split("-")[1]), name.endswith("interleaved")
+    return (layout.startswith(f"pipeline {stages} stages") and ("interleaved" in layout) == interleaved
+            and "sharded" not in layout)
 
 
 def matmul_tflops() -> float:
@@ -152,13 +162,16 @@ def run(nodes: TwoNodes, path: Path, port: int) -> dict:
     run_dir = Path(yaml.safe_load(path.read_text())["run_dir"])
     steps = [r["step_time_s"] for r in read_metrics(run_dir / "metrics.jsonl")["train"] if r["step"] > 2]
     plan = json.loads((run_dir / "plan.json").read_text())
+    pipe = plan.get("pipeline")
     return {"measured_s": statistics.median(steps), "strategy": plan["strategy"],
-            "stages": plan["pipeline"]["stages"] if plan.get("pipeline") else None, "layouts": plan.get("layouts", [])}
+            "stages": pipe["stages"] if pipe else None, "layouts": plan.get("layouts", []),
+            "layout": (f"pipeline {pipe['stages']} stages" + (" interleaved" if pipe["virtual"] > 1 else "")
+                       + (", stages sharded" if pipe["shard"] else "")) if pipe else plan["strategy"]}
 
 
 def predicted(layouts: list[dict], name: str) -> float | None:
     for c in layouts:
-        if c["fits"] and (c["layout"] == name if name == "fsdp" else c["layout"].startswith(TABLE_NAME[name])):
+        if c["fits"] and table_row(c["layout"], name):
             return c["step_s"]
     return None
 
@@ -178,7 +191,8 @@ def main() -> None:
         sys.exit(f"bench/slow_links.py {reason}")
     per_node = args.per_node
     peak = matmul_tflops() * (2 / (2 * per_node))  # the ranks share two cores
-    fixed = ("fsdp", "pipeline-2", "pipeline-4") if per_node == 2 else ("fsdp", "pipeline-2")
+    fixed = ("fsdp", "pipeline-2", "pipeline-2-interleaved", "pipeline-4") if per_node == 2 else \
+        ("fsdp", "pipeline-2", "pipeline-2-interleaved")
     layouts_run = {n: LAYOUTS[n] for n in (*fixed, "auto")}
     work = Path(tempfile.mkdtemp(prefix="hetforge-slow-links-"))
     rows, port = {}, 29800
@@ -192,8 +206,7 @@ def main() -> None:
                 got = run(nodes, config(work, f"{name}-{gbit}g", layout, effective[gbit], peak, args.steps, per_node),
                           port)
                 rows[(gbit, name)] = got
-                print(f"{gbit} Gbit/s {name}: {got['measured_s']:.2f} s a step ({got['strategy']}"
-                      f"{', ' + str(got['stages']) + ' stages' if got['stages'] else ''})", flush=True)
+                print(f"{gbit} Gbit/s {name}: {got['measured_s']:.2f} s a step ({got['layout']})", flush=True)
     figures: dict = {"bench": "slow_links" if per_node == 2 else "slow_links_1_per_node"}
     errors, ranking = [], True
     for gbit in (1, 10):
@@ -208,7 +221,7 @@ def main() -> None:
             errors.append(abs(pred[n] / measured[n] - 1))
             figures[f"{n}_{gbit}g_s"] = {"measured": round(measured[n], 3), "predicted": round(pred[n], 3)}
         auto = rows[(gbit, "auto")]
-        figures[f"auto_{gbit}g"] = f"pipeline {auto['stages']} stages" if auto["stages"] else auto["strategy"]
+        figures[f"auto_{gbit}g"] = auto["layout"]
         ranking &= sorted(fixed, key=pred.get) == sorted(fixed, key=measured.get)
     figures["declared_gbit"] = {f"{g}g": round(effective[g], 3) for g in effective}
     figures["median_step_error"] = round(statistics.median(errors), 3)
