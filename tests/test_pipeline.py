@@ -153,6 +153,16 @@ def test_a_pipeline_trains_in_fp16_with_one_loss_scale(make_cfg, tmp_path, data_
     assert all(g["loss"] == pytest.approx(w["loss"], rel=2e-3) for g, w in zip(got, want)), (got, want)
 
 
+def finishes_like_one_process(base, ref) -> None:
+    """The last two of six steps in one process, resumed from what the layouts before it wrote: the
+    losses and weights of one uninterrupted process's run (`ref`)."""
+    assert train(base, stop_after=2).step == 6
+    got, want = losses(base), losses(ref)
+    assert sorted(got) == list(range(1, 7))
+    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
+    assert max_diff(weights(base), weights(ref)) <= 2e-4
+
+
 @pytest.mark.slow
 def test_a_pipeline_checkpoint_resumes_on_fsdp_and_one_process(make_cfg, tmp_path, data_dir):
     """Two steps as a 2-stage pipeline, two under FSDP on 2 ranks, two in one process: the sample
@@ -168,11 +178,7 @@ def test_a_pipeline_checkpoint_resumes_on_fsdp_and_one_process(make_cfg, tmp_pat
         "parallel": type(base.parallel).model_validate({"strategy": "fsdp"})})
     res = run_train(fsdp, 2, tmp_path, "--stop-after", "2")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert train(base, stop_after=2).step == 6
-    got, want = losses(base), losses(ref)
-    assert sorted(got) == list(range(1, 7))
-    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
-    assert max_diff(weights(base), weights(ref)) <= 2e-4
+    finishes_like_one_process(base, ref)
 
 
 @pytest.mark.slow
@@ -187,11 +193,7 @@ def test_sharded_stages_resume_from_their_checkpoint_and_on_one_process(make_cfg
     for _ in range(2):
         res = run_train(pipe, 4, tmp_path, "--stop-after", "2")
         assert res.returncode == 0, res.stderr[-3000:]
-    assert train(base, stop_after=2).step == 6
-    got, want = losses(base), losses(ref)
-    assert sorted(got) == list(range(1, 7))
-    assert all(got[s] == pytest.approx(want[s], abs=1e-5) for s in want), (got, want)
-    assert max_diff(weights(base), weights(ref)) <= 2e-4
+    finishes_like_one_process(base, ref)
 
 
 # --- the layout, from recorded inputs ------------------------------------------------------------
