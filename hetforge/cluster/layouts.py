@@ -118,10 +118,12 @@ def candidates(cfg: RunConfig, shape: GPTNeoXConfig, ranks: Ranks, precision: st
     if schedules[0] == "auto" and not cfg.memory.active:  # per-stage activation plans run 1F1B or GPipe
         schedules.append("interleaved")
     for stages in range(2, min(world, shape.n_layers) + 1):
+        if world % stages:
+            continue
         for schedule in schedules:
-            if world % stages == 0 and (schedule != "interleaved" or 2 * stages <= shape.n_layers):
+            if schedule != "interleaved" or 2 * stages <= shape.n_layers:
                 out.append(_pipeline(cfg, shape, stages, schedule, "ddp", ranks, precision, head_dim, links))
-        if world % stages == 0 and world > stages and schedules[0] != "interleaved":
+        if world > stages and schedules[0] != "interleaved":
             out.append(_pipeline(cfg, shape, stages, schedules[0], "fsdp", ranks, precision, head_dim, links))
     return out
 

@@ -145,6 +145,12 @@ def inflight(schedule: str, stages: int, stage: int, micro_batches: int, virtual
     return min(stages - stage, micro_batches)
 
 
+def buffer_bytes(shape: GPTNeoXConfig, micro_batch: int, seq_len: int, dtype_bytes: int, virtual: int = 1) -> float:
+    """A stage's send and receive buffers: activations received and gradients sent, both ways,
+    per chunk."""
+    return 4.0 * virtual * boundary_bytes(shape, micro_batch, seq_len, dtype_bytes)
+
+
 def interleaved_fits(micro_batches: int, stages: int) -> bool:
     """PyTorch's interleaved 1F1B runs micro-batches in rounds of equal size (max(1, n // stages) of them)."""
     return micro_batches % max(1, micro_batches // stages) == 0
@@ -241,7 +247,7 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
                      default=None) for s in range(stages)]
     t = trace(shape, micro, seq, precision, head_dim)
     block_act, head_act = sum(u.bytes for u in t.units), t.head_held
-    boundary = boundary_bytes(shape, micro, seq, 4 if precision == "fp32" else 2)
+    boundary = boundary_bytes(shape, micro, seq, gather)
     most = max(counts, default=1) or 1
     held_schedule = schedules[0] if len(set(schedules)) == 1 else "gpipe"
 
@@ -257,7 +263,7 @@ def plan_pipeline(cfg: RunConfig, shape: GPTNeoXConfig, devices: list[str], spee
             # a kept block saves all its activations, a recomputed one its input, and one
             # recomputed block's whole working set lives while its backward runs
             act = per_block * ((n - r) * block_act + r * boundary) + head + (block_act if r else 0.0)
-            buffers = 4 * virtual * boundary  # received activations and sent gradients, per chunk
+            buffers = buffer_bytes(shape, micro, seq, gather, virtual)
             static = stage_static_bytes(shape, n, first, last, cfg.train.optimizer, replicas if shard else 1, gather)
             return WORKSPACE * (static + act + buffers)
 

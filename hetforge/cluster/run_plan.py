@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 from hetforge.cluster.balance import (BalanceError, BalancePlan, RankInfo, RankShare, TimeModel, balanced_plan,
                                       choose_accumulation, collective_seconds, equal_counts, equal_plan, fixed_plan)
 from hetforge.cluster.layouts import Links, Ranks, candidates, choose, offload_seconds
-from hetforge.cluster.pipeline_plan import PipelinePlan, inflight, plan_pipeline
+from hetforge.cluster.pipeline_plan import PipelinePlan, buffer_bytes, inflight, plan_pipeline
 from hetforge.cluster.probe import (WORKSPACE_MARGIN, candidate_sizes, largest_fitting, micro_batches_within,
                                     planned_points, planned_step_costs)
 from hetforge.config import ConfigError, MeshConfig, RunConfig
@@ -41,7 +41,7 @@ from hetforge.memory.plan import ModelProfile, Plan, simulate, stage_profile
 from hetforge.memory.sharding import HOST_OPTIMIZER, HOST_PARAMS, NoStrategyFits, RankNeed, choose_strategy, pick_strategy, \
     unit_size_that_fits
 from hetforge.model.accounting import (STRATEGIES, ShardLayout, collective_bytes_per_step, collectives_per_micro_batch,
-                                       parameter_sizes, stage_state_bytes, boundary_bytes,
+                                       parameter_sizes, stage_state_bytes,
                                        state_shares, unsharded_accumulation_collectives)
 from hetforge.model.gpt_neox import GPTNeoXConfig
 
@@ -413,7 +413,7 @@ def _stage_memory_plan(cfg: RunConfig, shape: GPTNeoXConfig, view: RankView, pip
     prof = view.profile(micro, precision, head_dim, False)
     static = stage_state_bytes(shape, n, first, last, cfg.train.optimizer, pipe.replicas if pipe.shard else 1, elt)
     held = inflight(pipe.schedules[rep], pipe.stages, s, max(pipe.micro_batches[rep], 1))
-    sp = stage_profile(prof, n, last, static, held, 4 * boundary_bytes(shape, micro, cfg.train.seq_len, elt))
+    sp = stage_profile(prof, n, last, static, held, buffer_bytes(shape, micro, cfg.train.seq_len, elt))
     mem = cfg.memory
     try:
         plan = plan_for_strategy(sp, resolve_budget(mem, view.facts.memory_bytes), mem.strategy, mem.granularity,

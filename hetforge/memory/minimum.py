@@ -107,10 +107,10 @@ def _inflight_minimum(profile: ModelProfile, menus, samples: int = 48) -> tuple[
     H(b) the least total any plan within rows b holds (what the pass finds). H is a step function
     of b, so the minimum sits just above one of its steps: a grid over b, then a finer one around
     the best; each plan found is simulated, so what is returned is a real plan's peak."""
-    n = len(profile.blocks)
-    hi = simulate(profile, Plan(["keep"] * n)).peak_bytes - profile.base_bytes
+    keep = Plan(["keep"] * len(profile.blocks))
+    best: tuple[float, Plan] = (simulate(profile, keep).peak_bytes, keep)
+    hi = best[0] - profile.base_bytes
     lo = max([profile.head_peak] + [float(c[:, 2:].max(axis=1).min()) for _, c in menus]) - 1.0
-    best: tuple[float, Plan] = (simulate(profile, Plan(["keep"] * n)).peak_bytes, Plan(["keep"] * n))
     for _ in range(2):
         step = (hi - lo) / samples
         at = lo

@@ -166,7 +166,13 @@ def shard_model(model: nn.Module, mesh, strategy: str, reshard_after_forward: bo
     if not tied:
         fully_shard([model.final_layer_norm, model.embed_out], reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
-    for m in model.modules():
+    sum_gradients(model)
+
+
+def sum_gradients(root: nn.Module) -> None:
+    """Every FSDP2 unit under `root` sums its gradients over its ranks, with sum-only collectives
+    (see `shard_model`: the loss is already over the global batch's tokens)."""
+    for m in root.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)

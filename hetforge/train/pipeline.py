@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.utils.checkpoint import checkpoint
@@ -33,6 +33,7 @@ from hetforge.data.shards import batch_from_numpy
 from hetforge.memory.executor import PlanRunner, parameter_storages
 from hetforge.memory.plan import Plan
 from hetforge.model.gpt_neox import GPTNeoX
+from hetforge.train.parallel import sum_gradients
 
 
 class _Absent(nn.Module):
@@ -60,12 +61,15 @@ class StageModule(nn.Module):
     in `recompute` keeps only its input and runs its forward again in the backward (non-reentrant
     checkpointing, the dropout masks replayed)."""
 
-    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: set[int] = frozenset(),
-                 runner: PlanRunner | None = None):
-        # `model` is the rank's pruned model, shared by its chunks under the interleaved schedule;
-        # `runner`: the stage's per-tensor activation plan, which then runs its blocks
+    def __init__(self, model: GPTNeoX, blocks: range, first: bool, last: bool, recompute: set[int] = frozenset()):
+        # `model` is the rank's pruned model, shared by its chunks under the interleaved schedule
         super().__init__()
         self.model, self.blocks, self.first, self.last, self.recompute = model, blocks, first, last, recompute
+        self.run_under(None)
+
+    def run_under(self, runner: PlanRunner | None) -> None:
+        """Run the blocks under a per-tensor activation plan's runner (made once the stage is
+        sharded: it knows the weights by their storages), or plainly with None."""
         self.__dict__["runner"] = runner  # not a submodule: its blocks are the model's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +210,7 @@ def stage_parts(plan: PipelinePlan, rank: int, model: GPTNeoX, device: torch.dev
                             random=model.cfg.dropout > 0)
         runner.measure = False
         runner._handles = runner.install_labels(blocks)
-        modules[0].__dict__["runner"] = runner
+        modules[0].run_under(runner)
     return StageParts(pp_groups[r], dp_groups[s], modules)
 
 
@@ -225,10 +229,7 @@ def shard_stage(module: StageModule, mesh: DeviceMesh, param_dtype: torch.dtype 
     if module.last:
         fully_shard([m.final_layer_norm, m.embed_out], **kw)
     fully_shard(module, **kw)
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            unit.set_gradient_divide_factor(1.0)
-            unit.set_force_sum_reduction_for_comms(True)
+    sum_gradients(module)
 
 
 def build_pipeline(plan: PipelinePlan, rank: int, parts: StageParts, device: torch.device,
